@@ -1,0 +1,3 @@
+from frexporter.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""The poll loop: sources -> one immutable NodeSnapshot -> analysis, on its own interval.
+
+Scrapes and API calls only read the latest snapshot (a reference swap), so they
+never wait on a source. A failing source is recorded in its SourceStatus and the
+rest of the snapshot is still produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from frexporter import naming
+from frexporter.model import NodeSnapshot, RankState, SourceStatus
+from frexporter.sources.base import SourceError
+
+log = logging.getLogger("frexporter.exporter")
+
+
+class Source(Protocol):
+    name: str
+
+    def collect(self) -> Any: ...
+
+
+@dataclass
+class _SourceTrack:
+    source: Source
+    interval: float
+    last_run: float | None = None
+    value: Any = None
+    up: bool = False
+    duration: float = 0.0
+    errors_total: dict[str, int] | None = None
+    last_error: str = ""
+    last_success: float | None = None
+    down_logged: bool = False
+
+
+Analyzer = Callable[[NodeSnapshot], tuple[Any, ...]]
+
+
+class Exporter:
+    def __init__(
+        self,
+        sources: list[tuple[Source, float]],
+        poll_interval: float = 1.0,
+        analyzer: Analyzer | None = None,
+        clock: Callable[[], float] = time.time,
+        hostname: str | None = None,
+    ) -> None:
+        self.poll_interval = poll_interval
+        self.analyzer = analyzer
+        self.clock = clock
+        self.hostname = hostname or socket.gethostname()
+        self._tracks = [_SourceTrack(source=s, interval=i, errors_total={}) for s, i in sources]
+        self._snapshot = NodeSnapshot.empty(self.hostname, clock())
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.polls = 0
+        self.poll_listeners: list[Callable[[NodeSnapshot], None]] = []
+
+    @property
+    def snapshot(self) -> NodeSnapshot:
+        return self._snapshot
+
+    # ------------------------------------------------------------------ loop
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="frexporter-poll", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for track in self._tracks:
+            close = getattr(track.source, "close", None)
+            if close is not None:
+                close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.poll_once()
+            except Exception:  # the loop must survive anything a poll throws
+                log.exception("poll failed; retrying next interval")
+            self._stop.wait(max(0.0, self.poll_interval - (time.monotonic() - started)))
+
+    def poll_once(self) -> NodeSnapshot:
+        now = self.clock()
+        for track in self._tracks:
+            if track.last_run is None or now - track.last_run >= track.interval * 0.95:
+                self._collect(track, now)
+        ranks: tuple[RankState, ...] = ()
+        gpus = None
+        for track in self._tracks:
+            if track.source.name == naming.SOURCE_RANKS and track.value is not None:
+                ranks = track.value
+            elif track.source.name == naming.SOURCE_NVML:
+                gpus = track.value if track.up else None
+        snapshot = NodeSnapshot(
+            time=now,
+            hostname=self.hostname,
+            ranks=ranks,
+            sources=tuple(
+                SourceStatus(
+                    name=t.source.name,
+                    up=t.up,
+                    duration_seconds=t.duration,
+                    errors_total=dict(t.errors_total or {}),
+                    last_error=t.last_error,
+                    last_success=t.last_success,
+                )
+                for t in self._tracks
+            ),
+            gpus=gpus,
+        )
+        if self.analyzer is not None:
+            try:
+                snapshot = replace(snapshot, verdicts=self.analyzer(snapshot))
+            except Exception:
+                log.exception("verdict analysis failed; serving the snapshot without verdicts")
+        self._snapshot = snapshot
+        self.polls += 1
+        for listener in self.poll_listeners:
+            try:
+                listener(snapshot)
+            except Exception:
+                log.exception("poll listener failed")
+        return snapshot
+
+    def _collect(self, track: _SourceTrack, now: float) -> None:
+        started = time.perf_counter()
+        errors = track.errors_total if track.errors_total is not None else {}
+        try:
+            track.value = track.source.collect()
+            track.up = True
+            track.last_success = now
+            if track.down_logged:
+                log.info("source %s recovered", track.source.name)
+                track.down_logged = False
+        except SourceError as e:
+            self._down(track, e.reason, str(e))
+        except Exception as e:  # a bug in one source must not take the others down
+            self._down(track, "internal", f"{type(e).__name__}: {e}")
+            log.debug("source %s raised", track.source.name, exc_info=True)
+        finally:
+            track.duration = time.perf_counter() - started
+            track.last_run = now
+        for reason, message in getattr(track.source, "errors", ()) or ():
+            errors[reason] = errors.get(reason, 0) + 1
+            track.last_error = message
+        nvml_errors = getattr(track.value, "field_errors", 0) if track.up else 0
+        if nvml_errors:
+            errors["field"] = errors.get("field", 0) + int(nvml_errors)
+        track.errors_total = errors
+
+    def _down(self, track: _SourceTrack, reason: str, message: str) -> None:
+        errors = track.errors_total if track.errors_total is not None else {}
+        errors[reason] = errors.get(reason, 0) + 1
+        track.errors_total = errors
+        track.up = False
+        track.value = None
+        track.last_error = message
+        if not track.down_logged:
+            log.warning("source %s is down: %s", track.source.name, message)
+            track.down_logged = True

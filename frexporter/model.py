@@ -1,0 +1,105 @@
+"""The exporter's immutable view of one node at one poll.
+
+Sources build it, analysis reads it, outputs render it. Nothing here does I/O.
+Sequence numbers are in the collective domain (send/recv factored out) so ranks
+can be compared; process groups are named by their cross-rank name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Rank liveness, as the exporter judges it this poll.
+RANK_OK = "ok"  # fresh heartbeat
+RANK_UNRESPONSIVE = "unresponsive"  # heartbeat stale but the C++ worker server answers: Python is wedged
+RANK_DOWN = "down"  # heartbeat stale and the socket is dead
+RANK_EXITED = "exited"  # the recorder said goodbye (clean interpreter exit)
+
+
+@dataclass(frozen=True)
+class InflightCollective:
+    """One collective enqueued on a rank and not yet completed (from a deep FR read)."""
+
+    seq: int
+    op: str
+    created: float  # unix seconds
+    timeout_seconds: float | None
+    input_sizes: tuple[tuple[int, ...], ...] = ()
+    input_dtypes: tuple[str, ...] = ()
+    output_sizes: tuple[tuple[int, ...], ...] = ()
+    output_dtypes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PGState:
+    name: str
+    desc: str
+    ranks: tuple[int, ...]
+    backend: str
+    last_enqueued: int
+    last_started: int
+    last_completed: int
+    inflight: tuple[InflightCollective, ...]  # oldest first; empty when unknown or none
+    inflight_count: int
+    timeout_seconds: float | None
+    last_progress: float | None  # unix seconds when last_completed last advanced (as observed)
+    exact: bool  # False when p2p traffic made the collective-domain values come from an older deep read
+    has_p2p: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def oldest_inflight(self) -> InflightCollective | None:
+        return self.inflight[0] if self.inflight else None
+
+
+@dataclass(frozen=True)
+class RankState:
+    job_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    hostname: str
+    pid: int
+    torch_version: str
+    gpu_uuid: str
+    status: str  # RANK_*
+    heartbeat: float | None  # unix seconds of the last fresh snapshot
+    heartbeat_age: float | None
+    socket_alive: bool | None  # None: not probed this poll
+    pgs: tuple[PGState, ...]
+    recorder_errors: Mapping[str, int] = field(default_factory=dict)
+    message: str = ""
+    last_deep_read: float | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.status in (RANK_OK, RANK_UNRESPONSIVE)
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    name: str
+    up: bool
+    duration_seconds: float
+    errors_total: Mapping[str, int]  # reason -> count since start
+    last_error: str = ""
+    last_success: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    time: float
+    hostname: str
+    ranks: tuple[RankState, ...]
+    sources: tuple[SourceStatus, ...]
+    gpus: Any = None  # frexporter.sources.nvml.GpuReading when the NVML source is on
+    verdicts: tuple[Any, ...] = ()  # frexporter.analysis.verdicts.Verdict
+
+    @staticmethod
+    def empty(hostname: str, now: float) -> NodeSnapshot:
+        return NodeSnapshot(time=now, hostname=hostname, ranks=(), sources=())

@@ -1,0 +1,109 @@
+"""Every metric and label name frexporter exports, spelled once.
+
+Outputs (Prometheus, OTLP), alert rules tests and dashboards import from here;
+nothing else in the package writes a metric name as a string literal.
+"""
+
+from __future__ import annotations
+
+PREFIX = "frexporter_"
+
+# Labels
+L_JOB_ID = "job_id"
+L_RANK = "rank"
+L_LOCAL_RANK = "local_rank"
+L_WORLD_SIZE = "world_size"
+L_HOSTNAME = "hostname"
+L_PID = "pid"
+L_TORCH_VERSION = "torch_version"
+L_GPU_UUID = "gpu_uuid"
+L_GPU = "gpu"
+L_PG = "pg"
+L_PG_DESC = "pg_desc"
+L_SIZE = "size"
+L_OP = "op"
+L_KIND = "kind"
+L_SEQ = "seq"
+L_SOURCE = "source"
+L_REASON = "reason"
+L_VERSION = "version"
+L_BACKEND = "backend"
+
+# Build and exporter self-observability
+BUILD_INFO = PREFIX + "build_info"
+SOURCE_UP = PREFIX + "source_up"
+SOURCE_DURATION_SECONDS = PREFIX + "source_duration_seconds"
+SOURCE_ERRORS_TOTAL = PREFIX + "source_errors_total"
+SOURCE_LAST_SUCCESS_TIMESTAMP_SECONDS = PREFIX + "source_last_success_timestamp_seconds"
+
+# Ranks
+RANK_INFO = PREFIX + "rank_info"
+RANK_UP = PREFIX + "rank_up"
+RANK_HEARTBEAT_TIMESTAMP_SECONDS = PREFIX + "rank_heartbeat_timestamp_seconds"
+RANK_RECORDER_ERRORS_TOTAL = PREFIX + "rank_recorder_errors_total"
+
+# Process groups (per rank)
+PG_INFO = PREFIX + "pg_info"
+PG_LAST_ENQUEUED_SEQ = PREFIX + "pg_last_enqueued_seq"
+PG_LAST_STARTED_SEQ = PREFIX + "pg_last_started_seq"
+PG_LAST_COMPLETED_SEQ = PREFIX + "pg_last_completed_seq"
+PG_INFLIGHT_COLLECTIVES = PREFIX + "pg_inflight_collectives"
+PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS = PREFIX + "pg_oldest_inflight_start_timestamp_seconds"
+PG_TIMEOUT_SECONDS = PREFIX + "pg_timeout_seconds"
+PG_LAST_PROGRESS_TIMESTAMP_SECONDS = PREFIX + "pg_last_progress_timestamp_seconds"
+
+# Collectives
+COLLECTIVE_DURATION_SECONDS = PREFIX + "collective_duration_seconds"
+COLLECTIVE_BYTES_TOTAL = PREFIX + "collective_bytes_total"
+
+# Verdicts
+VERDICT = PREFIX + "verdict"
+
+# Label sets, so that adapters and tests agree on order.
+RANK_LABELS = (L_JOB_ID, L_RANK)
+PG_LABELS = (L_JOB_ID, L_RANK, L_PG, L_PG_DESC)
+RANK_INFO_LABELS = (
+    L_JOB_ID,
+    L_RANK,
+    L_LOCAL_RANK,
+    L_WORLD_SIZE,
+    L_HOSTNAME,
+    L_PID,
+    L_TORCH_VERSION,
+    L_GPU_UUID,
+)
+PG_INFO_LABELS = (L_JOB_ID, L_RANK, L_PG, L_PG_DESC, L_SIZE, L_BACKEND)
+VERDICT_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_RANK, L_KIND, L_OP, L_SEQ)
+SOURCE_LABELS = (L_SOURCE,)
+SOURCE_ERROR_LABELS = (L_SOURCE, L_REASON)
+
+# Sources
+SOURCE_RANKS = "ranks"
+SOURCE_NVML = "nvml"
+
+# GPUs (NVML source; frexporter/outputs/gpu_metrics.py). Labels `gpu` (NVML
+# index) and `gpu_uuid` on every series.
+L_NAME = "name"
+L_DRIVER_VERSION = "driver_version"
+L_TYPE = "type"
+L_LINK = "link"
+L_XID = "xid"
+GPU_LABELS = (L_GPU, L_GPU_UUID)
+GPU_INFO = PREFIX + "gpu_info"
+GPU_LOST = PREFIX + "gpu_lost"
+GPU_UTILIZATION_RATIO = PREFIX + "gpu_utilization_ratio"
+GPU_MEMORY_USED_BYTES = PREFIX + "gpu_memory_used_bytes"
+GPU_MEMORY_TOTAL_BYTES = PREFIX + "gpu_memory_total_bytes"
+GPU_TEMPERATURE_CELSIUS = PREFIX + "gpu_temperature_celsius"
+GPU_POWER_WATTS = PREFIX + "gpu_power_watts"
+GPU_ENERGY_JOULES_TOTAL = PREFIX + "gpu_energy_joules_total"
+GPU_SM_CLOCK_HERTZ = PREFIX + "gpu_sm_clock_hertz"
+GPU_MEMORY_CLOCK_HERTZ = PREFIX + "gpu_memory_clock_hertz"
+GPU_THROTTLE_REASONS = PREFIX + "gpu_throttle_reasons"
+GPU_ECC_ERRORS_TOTAL = PREFIX + "gpu_ecc_errors_total"
+GPU_REMAPPED_ROWS = PREFIX + "gpu_remapped_rows"
+GPU_REMAPPED_ROWS_PENDING = PREFIX + "gpu_remapped_rows_pending"
+GPU_REMAPPED_ROWS_FAILED = PREFIX + "gpu_remapped_rows_failed"
+GPU_PCIE_REPLAY_TOTAL = PREFIX + "gpu_pcie_replay_total"
+GPU_NVLINK_ERRORS_TOTAL = PREFIX + "gpu_nvlink_errors_total"
+GPU_XID_ERRORS_TOTAL = PREFIX + "gpu_xid_errors_total"

@@ -1,0 +1,125 @@
+"""Prometheus view of the latest NodeSnapshot: a custom collector yielding fresh families per scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from frexporter import __version__
+from frexporter import naming as n
+from frexporter.model import NodeSnapshot, PGState, RankState
+
+
+def _pg_labels(rank: RankState, pg: PGState) -> list[str]:
+    return [rank.job_id, str(rank.rank), pg.name, pg.desc]
+
+
+class SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], NodeSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        build = GaugeMetricFamily(n.BUILD_INFO, "frexporter build information.", labels=[n.L_VERSION])
+        build.add_metric([__version__], 1)
+        yield build
+        yield from self._sources(snap)
+        yield from self._ranks(snap)
+        yield from self._pgs(snap)
+        yield from self._verdicts(snap)
+        if snap.gpus is not None:
+            from frexporter.outputs.gpu_metrics import gpu_metric_families
+
+            yield from gpu_metric_families(snap.gpus)
+
+    @staticmethod
+    def _sources(snap: NodeSnapshot) -> Iterator[Metric]:
+        up = GaugeMetricFamily(n.SOURCE_UP, "1 when the source's last collection succeeded.",
+                               labels=list(n.SOURCE_LABELS))
+        duration = GaugeMetricFamily(n.SOURCE_DURATION_SECONDS, "Duration of the source's last collection.",
+                                     labels=list(n.SOURCE_LABELS))
+        errors = CounterMetricFamily(n.SOURCE_ERRORS_TOTAL, "Errors met by a source, by reason.",
+                                     labels=list(n.SOURCE_ERROR_LABELS))
+        success = GaugeMetricFamily(n.SOURCE_LAST_SUCCESS_TIMESTAMP_SECONDS,
+                                    "Unix time of the source's last successful collection.",
+                                    labels=list(n.SOURCE_LABELS))
+        for src in snap.sources:
+            up.add_metric([src.name], 1 if src.up else 0)
+            duration.add_metric([src.name], src.duration_seconds)
+            for reason, count in sorted(src.errors_total.items()):
+                errors.add_metric([src.name, reason], count)
+            if src.last_success is not None:
+                success.add_metric([src.name], src.last_success)
+        yield from (up, duration, errors, success)
+
+    @staticmethod
+    def _ranks(snap: NodeSnapshot) -> Iterator[Metric]:
+        info = GaugeMetricFamily(n.RANK_INFO, "Identity of a local training rank.",
+                                 labels=list(n.RANK_INFO_LABELS))
+        up = GaugeMetricFamily(n.RANK_UP, "1 when the rank answered this poll (fresh heartbeat or live "
+                               "worker server).", labels=list(n.RANK_LABELS))
+        heartbeat = GaugeMetricFamily(n.RANK_HEARTBEAT_TIMESTAMP_SECONDS,
+                                      "Unix time of the rank's last fresh snapshot; stale while up means "
+                                      "its Python is wedged.", labels=list(n.RANK_LABELS))
+        rec_errors = CounterMetricFamily(n.RANK_RECORDER_ERRORS_TOTAL,
+                                         "Errors the in-rank recorder met, by reason.",
+                                         labels=[*n.RANK_LABELS, n.L_REASON])
+        for r in snap.ranks:
+            key = [r.job_id, str(r.rank)]
+            info.add_metric([r.job_id, str(r.rank), str(r.local_rank), str(r.world_size), r.hostname,
+                             str(r.pid), r.torch_version, r.gpu_uuid], 1)
+            up.add_metric(key, 1 if r.up else 0)
+            if r.heartbeat is not None:
+                heartbeat.add_metric(key, r.heartbeat)
+            for reason, count in sorted(r.recorder_errors.items()):
+                rec_errors.add_metric([*key, reason], count)
+        yield from (info, up, heartbeat, rec_errors)
+
+    @staticmethod
+    def _pgs(snap: NodeSnapshot) -> Iterator[Metric]:
+        labels = list(n.PG_LABELS)
+        info = GaugeMetricFamily(n.PG_INFO, "A process group a rank belongs to, by cross-rank name.",
+                                 labels=list(n.PG_INFO_LABELS))
+        enq = GaugeMetricFamily(n.PG_LAST_ENQUEUED_SEQ, "Last collective enqueued (collective domain).",
+                                labels=labels)
+        started = GaugeMetricFamily(n.PG_LAST_STARTED_SEQ,
+                                    "Last collective started on the device (NCCL with timing only).",
+                                    labels=labels)
+        done = GaugeMetricFamily(n.PG_LAST_COMPLETED_SEQ, "Last collective completed (collective domain).",
+                                 labels=labels)
+        inflight = GaugeMetricFamily(n.PG_INFLIGHT_COLLECTIVES, "Collectives enqueued and not completed.",
+                                     labels=labels)
+        oldest = GaugeMetricFamily(n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS,
+                                   "Unix time the oldest in-flight collective was enqueued.", labels=labels)
+        timeout = GaugeMetricFamily(n.PG_TIMEOUT_SECONDS, "Watchdog timeout of the process group.",
+                                    labels=labels)
+        progress = GaugeMetricFamily(n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS,
+                                     "Unix time the completed sequence last advanced.", labels=labels)
+        for r in snap.ranks:
+            for pg in r.pgs:
+                key = _pg_labels(r, pg)
+                info.add_metric([*key, str(pg.size), pg.backend], 1)
+                enq.add_metric(key, pg.last_enqueued)
+                if pg.last_started >= 0:
+                    started.add_metric(key, pg.last_started)
+                done.add_metric(key, pg.last_completed)
+                inflight.add_metric(key, pg.inflight_count)
+                first = pg.oldest_inflight
+                if first is not None and pg.inflight_count > 0:
+                    oldest.add_metric(key, first.created)
+                if pg.timeout_seconds is not None:
+                    timeout.add_metric(key, pg.timeout_seconds)
+                if pg.last_progress is not None:
+                    progress.add_metric(key, pg.last_progress)
+        yield from (info, enq, started, done, inflight, oldest, timeout, progress)
+
+    @staticmethod
+    def _verdicts(snap: NodeSnapshot) -> Iterator[Metric]:
+        fam = GaugeMetricFamily(n.VERDICT, "1 per culprit rank of an open verdict.",
+                                labels=list(n.VERDICT_LABELS))
+        for v in snap.verdicts:
+            for rank in v.ranks:
+                fam.add_metric([v.job_id, v.pg, v.pg_desc, str(rank), v.kind, v.op, str(v.seq)], 1)
+        yield fam

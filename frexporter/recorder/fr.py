@@ -1,0 +1,147 @@
+"""Access to torch's Flight Recorder from inside a rank, by feature detection (torch 2.5+).
+
+Only cheap calls live here: ``pg_status`` without collectives (about 0.1 ms of GIL
+on torch 2.13) and the process-group table. Full dumps hold the GIL for tens of
+milliseconds and are left to the exporter, which reads them over the C++ worker
+server without the GIL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from frexporter import spool
+
+DEFAULT_BUFFER_SIZE = 2000
+BUFFER_ENV_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def enable_via_env(size: int = DEFAULT_BUFFER_SIZE) -> bool:
+    """Turn FR on for process groups created from now on; returns False if the user chose a size."""
+    if any(os.environ.get(v) for v in BUFFER_ENV_VARS):
+        return False
+    for var in BUFFER_ENV_VARS:
+        os.environ[var] = str(size)
+    return True
+
+
+def buffer_size() -> int:
+    for var in BUFFER_ENV_VARS:
+        try:
+            return int(os.environ[var])
+        except (KeyError, ValueError):
+            continue
+    return 0
+
+
+def _c10d() -> Any:
+    import torch._C._distributed_c10d as c10d_ext
+
+    return c10d_ext
+
+
+def available_recorders() -> tuple[str, ...]:
+    ext = _c10d()
+    found = []
+    if hasattr(ext, "_dump_fr_trace_json"):
+        found.append(spool.RECORDER_FR)
+    if hasattr(ext, "_dump_nccl_trace_json"):
+        found.append(spool.RECORDER_NCCL)
+    return tuple(found)
+
+
+def read_pg_status(recorders: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Raw ``pg_status`` per recorder, without collectives (the cheap path)."""
+    ext = _c10d()
+    out: dict[str, dict[str, Any]] = {}
+    for recorder in recorders:
+        if recorder == spool.RECORDER_FR:
+            raw = ext._dump_fr_trace_json(includeCollectives=False)
+        else:
+            raw = ext._dump_nccl_trace_json(includeCollectives=False)
+        out[recorder] = json.loads(raw).get("pg_status", {})
+    return out
+
+
+def handler_names() -> tuple[str, ...]:
+    ext = _c10d()
+    getter = getattr(ext, "_get_handler_names", None)
+    if getter is None:
+        return ()
+    return tuple(getter())
+
+
+def start_worker_server(path: str) -> Any:
+    """Start torch's C++ worker server on a unix socket; torch refuses an existing path."""
+    ext = _c10d()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    server = ext._WorkerServer(path, -1)
+    os.chmod(path, spool.FILE_MODE)
+    return server
+
+
+def pg_count() -> int:
+    """Cheap change detector for the PG table (a dict length, no allocation)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_names)
+
+
+def pg_table() -> list[dict[str, Any]]:
+    """Rebuild the PG table from Python state; gloo's own ``pg_config`` is broken in 2.8-2.13.
+
+    The local pg id that keys ``pg_status`` is predicted from creation order (each
+    backend instance takes the next id, and a process only creates backends for
+    groups it belongs to); NCCL exposes its uid directly. The exporter confirms the
+    prediction from FR entries whenever it reads them.
+    """
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = []
+    for index, (pg, name) in enumerate(list(c10d._world.pg_names.items())):
+        ranks = sorted(int(r) for r in c10d._world.pg_group_ranks.get(pg, {}))
+        backend = str(c10d._world.pg_backend_config.get(pg, ""))
+        local_ids: dict[str, int] = {spool.RECORDER_FR: index}
+        uid = getattr(c10d, "_get_process_group_uid", None)
+        if uid is not None:
+            try:
+                nccl_uid = int(uid(pg))
+                if nccl_uid >= 0:
+                    local_ids[spool.RECORDER_NCCL] = nccl_uid
+            except Exception:
+                pass
+        timeout = None
+        try:
+            timeout = pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except Exception:
+            pass
+        groups.append(
+            {
+                "name": str(name),
+                "desc": str(getattr(pg, "group_desc", "") or ""),
+                "ranks": ranks,
+                "backend": backend,
+                "local_ids": local_ids,
+                "timeout_seconds": timeout,
+            }
+        )
+    return groups
+
+
+def gpu_uuid() -> str:
+    import torch
+
+    try:
+        if not torch.cuda.is_available():
+            return ""
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        uuid = str(getattr(props, "uuid", ""))
+        return uuid if uuid.startswith("GPU-") or not uuid else f"GPU-{uuid}"
+    except Exception:
+        return ""

@@ -1,0 +1,181 @@
+"""The recorder's background thread: manifest, periodic snapshot, worker server.
+
+Everything here runs off the training thread and swallows its own failures: an
+error is counted in the snapshot (so the exporter exports it) and logged once per
+kind; the thread itself reports its own death in a last snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from frexporter import spool
+from frexporter.recorder import fr
+
+log = logging.getLogger("frexporter.recorder")
+
+
+class Publisher:
+    def __init__(self, directory: str, job_id: str | None, interval: float) -> None:
+        self.directory = directory
+        self.job_id_hint = job_id
+        self.interval = interval
+        self.errors: dict[str, int] = {}
+        self._logged: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="frexporter-recorder", daemon=True)
+        self._server: Any = None
+        self._stem = ""
+        self._manifest: dict[str, Any] | None = None
+        self._pg_count = -1
+        self._generation = 0
+        self._counter = 0
+        self._recorders: tuple[str, ...] = ()
+        self.start_time = time.time()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, state: str = "exiting") -> None:
+        """Called at interpreter exit: tell the exporter this was a clean exit, not a crash."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 2 * self.interval))
+        if self._stem:
+            self._write_snapshot({}, state=state, message="process exiting")
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                self._server.shutdown()
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.directory, spool.socket_name(self._stem)))
+            self._server = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------ loop
+
+    def _main(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.tick()
+                self._stop.wait(self.interval)
+        except BaseException as e:  # the thread must say why it died, never vanish silently
+            log.exception("frexporter recorder thread died; this rank's state is no longer published")
+            with contextlib.suppress(Exception):
+                self._write_snapshot({}, state="stopped", message=f"recorder thread died: {e!r}")
+
+    def tick(self) -> None:
+        try:
+            # Never import torch ourselves: under `frexporter run` every Python process of the
+            # job (launchers, tools) runs this thread, and only training ranks have torch loaded.
+            dist = sys.modules.get("torch.distributed")
+            # getattr: the module may be mid-import on the main thread.
+            initialized = getattr(dist, "is_initialized", None)
+            if initialized is None or not dist.is_available() or not initialized():
+                return
+            if self._manifest is None:
+                self._identify(dist)
+            count = fr.pg_count()
+            if count != self._pg_count:
+                self._pg_count = count
+                self._write_manifest()
+            status = fr.read_pg_status(self._recorders)
+            self._write_snapshot(status)
+        except Exception as e:
+            self._count_error(type(e).__name__, e)
+
+    # ------------------------------------------------------------ pieces
+
+    def _identify(self, dist: Any) -> None:
+        rank = dist.get_rank()
+        job_id = self.job_id_hint or default_job_id()
+        self._stem = spool.rank_stem(job_id, rank)
+        self._recorders = fr.available_recorders()
+        sock_name = ""
+        try:
+            path = os.path.join(self.directory, spool.socket_name(self._stem))
+            self._server = fr.start_worker_server(path)
+            sock_name = os.path.basename(path)
+        except Exception as e:
+            self._count_error("worker_server", e)
+        import torch
+
+        self._manifest = {
+            "format": spool.MANIFEST_FORMAT,
+            "job_id": job_id,
+            "rank": rank,
+            "local_rank": _env_int("LOCAL_RANK", -1),
+            "world_size": dist.get_world_size(),
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "start_time": self.start_time,
+            "torch_version": str(torch.__version__),
+            "backends": [],
+            "gpu_uuid": fr.gpu_uuid(),
+            "socket": sock_name,
+            "handlers": list(fr.handler_names()),
+            "recorders": list(self._recorders),
+            "fr_buffer_size": fr.buffer_size(),
+        }
+
+    def _write_manifest(self) -> None:
+        assert self._manifest is not None
+        self._generation += 1
+        groups = fr.pg_table()
+        self._manifest["process_groups"] = groups
+        self._manifest["backends"] = sorted({g["backend"] for g in groups if g["backend"]})
+        self._manifest["generation"] = self._generation
+        spool.write_json_atomic(self._path(spool.MANIFEST_SUFFIX), self._manifest)
+
+    def _write_snapshot(self, status: dict[str, Any], state: str = "running", message: str = "") -> None:
+        self._counter += 1
+        spool.write_json_atomic(
+            self._path(spool.SNAPSHOT_SUFFIX),
+            {
+                "format": spool.SNAPSHOT_FORMAT,
+                "pid": os.getpid(),
+                "time": time.time(),
+                "interval": self.interval,
+                "counter": self._counter,
+                "status": status,
+                "errors": self.errors,
+                "state": state,
+                "message": message,
+            },
+        )
+
+    def _path(self, suffix: str) -> str:
+        return os.path.join(self.directory, self._stem + suffix)
+
+    def _count_error(self, reason: str, exc: BaseException) -> None:
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("frexporter recorder: %s: %s (further errors of this kind are counted, not logged)",
+                        reason, exc)
+
+
+def default_job_id() -> str:
+    for var in ("FREXPORTER_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "JOB_ID"):
+        value = os.environ.get(var)
+        if value and value != "none":
+            return value
+    return "default"
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default

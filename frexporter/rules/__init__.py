@@ -1,0 +1,102 @@
+"""The canonical Prometheus rules, and the same rules with their timings scaled.
+
+Tests and the end-to-end Prometheus fixture shrink every timing with
+``load_rules(scale)`` instead of keeping a second, faster copy, so the logic
+they exercise is the logic that ships. Scaled are every ``for:`` and every
+number literal (seconds) or range window in an ``expr`` that the PromQL comment
+``# @scale`` follows on its line, with only closing parentheses, ``]`` and blanks
+in between.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["RULES_PATH", "SCALE_MARKER", "load_rules", "parse_duration", "render_rules"]
+
+RULES_PATH = Path(__file__).with_name("frexporter.rules.yml")
+SCALE_MARKER = "@scale"
+
+_UNIT_SECONDS = {
+    "ms": 0.001,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+    "d": 86400.0,
+    "w": 604800.0,
+    "y": 31536000.0,
+}
+_DURATION_PART = re.compile(r"(\d+)(ms|[smhdwy])")
+_DURATION = re.compile(r"(?:\d+(?:ms|[smhdwy]))+")
+_SCALED_LITERAL = re.compile(
+    r"(?<![\w.])(?P<lit>(?:\d+(?:ms|[smhdwy]))+|\d+(?:\.\d+)?)"
+    r"(?P<tail>[\s)\]]*#\s*" + re.escape(SCALE_MARKER) + r"\b)"
+)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Prometheus duration such as ``1m30s`` or ``1500ms``."""
+    if not _DURATION.fullmatch(text):
+        raise ValueError(f"not a Prometheus duration: {text!r}")
+    return sum(int(n) * _UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
+
+
+def _format_duration(seconds: float) -> str:
+    millis = round(seconds * 1000)
+    if seconds > 0:
+        # A positive duration must stay positive: "0s" would turn a
+        # "for:" into "fire at once" and an empty range into a parse error.
+        millis = max(millis, 1)
+    return f"{millis // 1000}s" if millis % 1000 == 0 else f"{millis}ms"
+
+
+def _scale_literal(literal: str, scale: float) -> str:
+    if literal[-1].isdigit():
+        return f"{round(float(literal) * scale, 6):.15g}"
+    return _format_duration(parse_duration(literal) * scale)
+
+
+def _scale_expr(expr: str, scale: float) -> str:
+    lines = []
+    for line in expr.split("\n"):
+        if SCALE_MARKER in line:
+            line, count = _SCALED_LITERAL.subn(lambda m: _scale_literal(m["lit"], scale) + m["tail"], line)
+            if count != 1:
+                raise ValueError(f"{SCALE_MARKER} must follow exactly one literal: {line!r}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def load_rules(scale: float = 1.0) -> dict[str, Any]:
+    """The canonical rule file, parsed, with its timings multiplied by ``scale``."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    rules: dict[str, Any] = yaml.safe_load(RULES_PATH.read_text(encoding="utf-8"))
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if "for" in rule:
+                rule["for"] = _format_duration(parse_duration(rule["for"]) * scale)
+            rule["expr"] = _scale_expr(rule["expr"], scale)
+    return rules
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Writes multi-line expressions as literal blocks, so the rendered file reads like the canonical one."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_BlockDumper.add_representer(str, _represent_str)
+
+
+def render_rules(scale: float = 1.0) -> str:
+    """``load_rules(scale)`` as a Prometheus rule file."""
+    return yaml.dump(load_rules(scale), Dumper=_BlockDumper, sort_keys=False, width=1000)

@@ -1,0 +1,1 @@
+"""Sources: everything the exporter reads from outside (rank spool files and sockets, NVML)."""

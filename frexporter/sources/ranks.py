@@ -1,0 +1,457 @@
+"""The ranks source: spool directory + worker-server sockets -> RankState per local rank.
+
+Cheap path every poll: ``stat`` the spool files and re-read only what changed.
+Deep path (an FR read over the rank's socket, no GIL needed on the rank's side)
+only when it tells something new: a rank or PG not yet mapped, progress that
+stopped with work in flight, p2p traffic that makes raw sequence numbers
+incomparable, or a stale heartbeat. Socket work runs on a small pool with a hard
+per-rank timeout, so one stuck rank never delays the others or a scrape.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from frexporter import frtrace, spool
+from frexporter.model import (
+    RANK_DOWN,
+    RANK_EXITED,
+    RANK_OK,
+    RANK_UNRESPONSIVE,
+    InflightCollective,
+    PGState,
+    RankState,
+)
+from frexporter.sources import worker_client
+from frexporter.sources.base import SourceError
+from frexporter.sources.progress import DeepView, translate
+from frexporter.spool import Manifest, PGEntry, RawPGStatus, Snapshot, SpoolError
+
+log = logging.getLogger("frexporter.ranks")
+
+# Which worker-server handler returns which recorder's entries (GIL-free C++ handlers only).
+DEEP_HANDLERS = {
+    spool.RECORDER_FR: ("fr_trace_json", ""),
+    spool.RECORDER_NCCL: ("dump_nccl_trace_json", "includecollectives=true&onlyactive=false"),
+}
+
+
+@dataclass(frozen=True)
+class RanksConfig:
+    directory: str
+    poll_interval: float = 1.0
+    rank_timeout: float = 2.0  # longest any one rank may hold a poll
+    deep_interval: float = 10.0  # refresh of collective-domain values on PGs with p2p traffic
+    departed_grace: float = 300.0  # keep exporting a dead or exited rank this long
+    max_workers: int = 8
+
+
+@dataclass
+class _FileSig:
+    """What identifies a file version without reading it."""
+
+    ino: int = -1
+    size: int = -1
+    mtime_ns: int = -1
+
+    @staticmethod
+    def of(st: os.stat_result) -> _FileSig:
+        return _FileSig(st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass
+class _PGTrack:
+    deep: DeepView | None = None
+    has_p2p: bool = False
+    last_completed: int | None = None
+    last_progress: float | None = None
+
+
+@dataclass
+class _RankTrack:
+    stem: str
+    manifest: Manifest
+    manifest_sig: _FileSig
+    snapshot: Snapshot | None = None
+    snapshot_sig: _FileSig = field(default_factory=_FileSig)
+    last_fresh: float | None = None  # our clock when a new snapshot counter was last seen
+    deep_raw: dict[str, dict[int, RawPGStatus]] = field(default_factory=dict)  # recorder -> raw at deep read
+    deep_time: float | None = None
+    deep_pending: cf.Future | None = None
+    ping_pending: cf.Future | None = None
+    socket_alive: bool | None = None
+    learned_ids: dict[str, dict[int, str]] = field(default_factory=dict)  # recorder -> pg id -> name
+    pgs: dict[str, _PGTrack] = field(default_factory=dict)  # pg name -> track
+    prev_raw: dict[str, dict[int, RawPGStatus]] = field(default_factory=dict)
+    departed_at: float | None = None
+
+
+class RanksSource:
+    name = "ranks"
+
+    def __init__(self, config: RanksConfig, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self._ranks: dict[str, _RankTrack] = {}
+        self._bad_files: dict[str, tuple[_FileSig, str]] = {}  # path -> (sig, reason) already reported
+        self._logged: set[tuple[str, str]] = set()
+        self._pool = cf.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="frexporter-sock")
+        self.errors: list[tuple[str, str]] = []  # (reason, message) of the current poll
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ poll
+
+    def collect(self) -> tuple[RankState, ...]:
+        self.errors = []
+        now = self.clock()
+        entries = self._scan()
+        self._load_manifests(entries)
+        for track in self._ranks.values():
+            self._load_snapshot(track, entries)
+        self._schedule_socket_work(now)
+        self._await_socket_work()
+        tracks = sorted(self._ranks.values(), key=lambda t: (t.manifest.job_id, t.manifest.rank))
+        states = (self._rank_state(track, now) for track in tracks)
+        return tuple(s for s in states if s is not None)
+
+    # ------------------------------------------------------------------ files
+
+    def _scan(self) -> dict[str, os.DirEntry]:
+        try:
+            with os.scandir(self.config.directory) as it:
+                return {e.name: e for e in it}
+        except FileNotFoundError as e:
+            raise SourceError("dir_missing", f"spool directory {self.config.directory} does not exist") from e
+        except PermissionError as e:
+            raise SourceError("permission", f"spool directory {self.config.directory}: permission denied") from e
+        except OSError as e:
+            raise SourceError("io", f"spool directory {self.config.directory}: {e.strerror or e}") from e
+
+    def _report(self, path: str, sig: _FileSig, err: SpoolError | SourceError) -> None:
+        """Count and log a bad file once per version of that file, not once per poll."""
+        known = self._bad_files.get(path)
+        if known is not None and known[0] == sig and known[1] == err.reason:
+            return
+        self._bad_files[path] = (sig, err.reason)
+        self.errors.append((err.reason, str(err)))
+        log.warning("%s (reason=%s)", err, err.reason)
+
+    def _load_manifests(self, entries: dict[str, os.DirEntry]) -> None:
+        seen_stems = set()
+        for name, entry in entries.items():
+            if name.startswith(".") or name.endswith(spool.SNAPSHOT_SUFFIX) or name.endswith(spool.SOCKET_SUFFIX):
+                continue
+            path = entry.path
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            sig = _FileSig.of(st)
+            if not name.endswith(spool.MANIFEST_SUFFIX):
+                self._report(path, sig, SpoolError("foreign", f"{path}: not a frexporter spool file; ignored"))
+                continue
+            stem = name[: -len(spool.MANIFEST_SUFFIX)]
+            seen_stems.add(stem)
+            if not stat.S_ISREG(st.st_mode):
+                self._report(path, sig, SpoolError("foreign", f"{path}: not a regular file; ignored"))
+                continue
+            track = self._ranks.get(stem)
+            if track is not None and track.manifest_sig == sig:
+                continue
+            if self._bad_files.get(path, (None,))[0] == sig:
+                continue
+            try:
+                manifest = spool.parse_manifest(spool.read_json_file(path, spool.MAX_MANIFEST_BYTES), path)
+            except SpoolError as e:
+                self._report(path, sig, e)
+                continue
+            self._bad_files.pop(path, None)
+            if track is None or track.manifest.pid != manifest.pid or track.manifest.start_time != manifest.start_time:
+                if track is not None:
+                    log.info("rank %d of job %s restarted (pid %d -> %d); state reset",
+                             manifest.rank, manifest.job_id, track.manifest.pid, manifest.pid)
+                self._ranks[stem] = _RankTrack(stem=stem, manifest=manifest, manifest_sig=sig)
+            else:
+                track.manifest = manifest
+                track.manifest_sig = sig
+        for stem in list(self._ranks):
+            if stem not in seen_stems:
+                del self._ranks[stem]
+
+    def _load_snapshot(self, track: _RankTrack, entries: dict[str, os.DirEntry]) -> None:
+        entry = entries.get(track.stem + spool.SNAPSHOT_SUFFIX)
+        if entry is None:
+            return
+        try:
+            sig = _FileSig.of(entry.stat(follow_symlinks=False))
+        except OSError:
+            return
+        if sig == track.snapshot_sig:
+            return
+        try:
+            snap = spool.parse_snapshot(spool.read_json_file(entry.path, spool.MAX_SNAPSHOT_BYTES), entry.path)
+        except SpoolError as e:
+            self._report(entry.path, sig, e)
+            return
+        track.snapshot_sig = sig
+        self._bad_files.pop(entry.path, None)
+        if snap.pid != track.manifest.pid:
+            return  # a snapshot of a previous incarnation, or of a rank that restarted before its manifest
+        if track.snapshot is None or snap.counter != track.snapshot.counter:
+            track.last_fresh = self.clock()
+        track.snapshot = snap
+
+    # ------------------------------------------------------------------ sockets
+
+    def _socket_path(self, track: _RankTrack) -> str | None:
+        if not track.manifest.socket:
+            return None
+        return os.path.join(self.config.directory, track.manifest.socket)
+
+    def _stale(self, track: _RankTrack, now: float) -> bool:
+        snap = track.snapshot
+        if snap is None or track.last_fresh is None:
+            return True
+        allowed = max(3 * snap.interval, 1.0) + self.config.poll_interval
+        return now - track.last_fresh > allowed
+
+    def _schedule_socket_work(self, now: float) -> None:
+        for track in self._ranks.values():
+            path = self._socket_path(track)
+            if path is None:
+                continue
+            if track.snapshot is not None and track.snapshot.state != "running":
+                continue
+            stale = self._stale(track, now)
+            if stale and track.ping_pending is None and track.deep_pending is None:
+                track.ping_pending = self._pool.submit(worker_client.ping, path, self.config.rank_timeout)
+            if track.deep_pending is None and self._wants_deep_read(track, now, stale):
+                track.deep_pending = self._pool.submit(self._deep_read, track.manifest, path)
+
+    def _wants_deep_read(self, track: _RankTrack, now: float, stale: bool) -> bool:
+        if not track.manifest.recorders:
+            return False
+        if track.deep_time is not None and now - track.deep_time < self.config.poll_interval * 0.9:
+            return False
+        if stale:
+            return track.socket_alive is not False
+        raw = self._current_raw(track)
+        if not raw:
+            return False
+        if track.deep_time is None:
+            return True
+        for recorder, statuses in raw.items():
+            known = track.learned_ids.get(recorder, {})
+            at_deep = track.deep_raw.get(recorder, {})
+            prev = track.prev_raw.get(recorder, {})
+            for pg_id, status in statuses.items():
+                if pg_id not in known:
+                    return True
+                if status == at_deep.get(pg_id):
+                    continue
+                settled = status == prev.get(pg_id)
+                pending = status.enqueued > status.completed
+                p2p = self._pg_track_for(track, recorder, pg_id).has_p2p
+                if settled and (pending or p2p):
+                    return True
+                if p2p and now - track.deep_time >= self.config.deep_interval:
+                    return True
+        return False
+
+    def _deep_read(self, manifest: Manifest, path: str) -> dict[str, frtrace.FrDump]:
+        dumps = {}
+        for recorder in manifest.recorders:
+            handler, query = DEEP_HANDLERS.get(recorder, ("", ""))
+            if not handler or (manifest.handlers and handler not in manifest.handlers):
+                continue
+            obj = worker_client.post_json(path, handler, self.config.rank_timeout, query)
+            try:
+                dumps[recorder] = frtrace.parse_dump(obj, f"{path} {handler}")
+            except SpoolError as e:
+                raise SourceError(e.reason, str(e)) from e
+        return dumps
+
+    def _await_socket_work(self) -> None:
+        futures = [f for t in self._ranks.values() for f in (t.deep_pending, t.ping_pending) if f is not None]
+        if futures:
+            cf.wait(futures, timeout=self.config.rank_timeout)
+        now = self.clock()
+        for track in self._ranks.values():
+            if track.ping_pending is not None and track.ping_pending.done():
+                future, track.ping_pending = track.ping_pending, None
+                try:
+                    track.socket_alive = bool(future.result())
+                except SourceError as e:
+                    track.socket_alive = e.reason not in ("socket_missing", "socket_refused")
+                    self._log_once(track, e)
+            if track.deep_pending is not None and track.deep_pending.done():
+                future, track.deep_pending = track.deep_pending, None
+                try:
+                    self._absorb_deep(track, future.result(), now)
+                    track.socket_alive = True
+                except SourceError as e:
+                    if e.reason in ("socket_missing", "socket_refused"):
+                        track.socket_alive = False
+                    track.deep_time = now  # do not hammer a failing socket every poll
+                    self._log_once(track, e)
+                except Exception as e:  # a torch answer we do not understand must not stop the poll
+                    track.deep_time = now
+                    self._log_once(track, SourceError("bad_response", f"{track.stem}: {e!r}"))
+
+    def _log_once(self, track: _RankTrack, err: SourceError) -> None:
+        self.errors.append((err.reason, str(err)))
+        key = (track.stem, err.reason)
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("rank %d of job %s: %s (reason=%s; logged once)", track.manifest.rank,
+                        track.manifest.job_id, err, err.reason)
+
+    def _absorb_deep(self, track: _RankTrack, dumps: dict[str, frtrace.FrDump], now: float) -> None:
+        track.deep_time = now
+        for recorder, dump in dumps.items():
+            views = translate(dump)
+            ids = track.learned_ids.setdefault(recorder, {})
+            for pg_id, view in views.items():
+                if view.name:
+                    ids[pg_id] = view.name
+                name = ids.get(pg_id) or self._predicted_name(track.manifest, recorder, pg_id)
+                if name is None:
+                    continue
+                pg = track.pgs.setdefault(name, _PGTrack())
+                pg.deep = view
+                pg.has_p2p = pg.has_p2p or view.has_p2p
+            track.deep_raw[recorder] = dict(dump.pg_status)
+
+    # ------------------------------------------------------------------ state
+
+    @staticmethod
+    def _predicted_name(manifest: Manifest, recorder: str, pg_id: int) -> str | None:
+        for pg in manifest.process_groups:
+            if pg.local_ids.get(recorder) == pg_id:
+                return pg.name
+        return None
+
+    def _pg_track_for(self, track: _RankTrack, recorder: str, pg_id: int) -> _PGTrack:
+        name = track.learned_ids.get(recorder, {}).get(pg_id) or self._predicted_name(
+            track.manifest, recorder, pg_id)
+        return track.pgs.setdefault(name or f"?{recorder}:{pg_id}", _PGTrack())
+
+    def _current_raw(self, track: _RankTrack) -> dict[str, dict[int, RawPGStatus]]:
+        if track.snapshot is None:
+            return {}
+        return {recorder: dict(statuses) for recorder, statuses in track.snapshot.status.items()}
+
+    def _rank_state(self, track: _RankTrack, now: float) -> RankState | None:
+        m = track.manifest
+        snap = track.snapshot
+        stale = self._stale(track, now)
+        if snap is not None and snap.state != "running":
+            status = RANK_EXITED
+        elif not stale:
+            status = RANK_OK
+        elif track.socket_alive:
+            status = RANK_UNRESPONSIVE
+        elif track.socket_alive is None and snap is None and now - m.start_time < self.config.rank_timeout * 3:
+            status = RANK_OK  # just started: the first snapshot is on its way
+        else:
+            status = RANK_DOWN
+        if status in (RANK_OK, RANK_UNRESPONSIVE):
+            track.departed_at = None
+        elif track.departed_at is None:
+            track.departed_at = now
+        if track.departed_at is not None and now - track.departed_at > self.config.departed_grace:
+            return None
+
+        raw = self._current_raw(track)
+        if status == RANK_UNRESPONSIVE and track.deep_raw:
+            # Python is wedged but its C++ worker server answered: that pg_status is the fresh one.
+            raw = {r: dict(s) for r, s in track.deep_raw.items()}
+        pgs = self._pg_states(track, raw, now)
+        track.prev_raw = raw
+        heartbeat = snap.time if snap is not None else None
+        return RankState(
+            job_id=m.job_id,
+            rank=m.rank,
+            local_rank=m.local_rank,
+            world_size=m.world_size,
+            hostname=m.hostname,
+            pid=m.pid,
+            torch_version=m.torch_version,
+            gpu_uuid=m.gpu_uuid,
+            status=status,
+            heartbeat=heartbeat,
+            heartbeat_age=max(0.0, now - heartbeat) if heartbeat is not None else None,
+            socket_alive=track.socket_alive,
+            pgs=pgs,
+            recorder_errors=dict(snap.errors) if snap is not None else {},
+            message=snap.message if snap is not None else "",
+            last_deep_read=track.deep_time,
+        )
+
+    def _pg_states(self, track: _RankTrack, raw: dict[str, dict[int, RawPGStatus]], now: float
+                   ) -> tuple[PGState, ...]:
+        table = {pg.name: pg for pg in track.manifest.process_groups}
+        # NCCL's recorder is the one that sees GPU collectives; prefer it where a PG has both.
+        chosen: dict[str, tuple[str, int, RawPGStatus]] = {}
+        for recorder in sorted(raw, key=lambda r: r != spool.RECORDER_NCCL):
+            for pg_id, status in raw[recorder].items():
+                name = track.learned_ids.get(recorder, {}).get(pg_id) or self._predicted_name(
+                    track.manifest, recorder, pg_id)
+                if name is None or name in chosen:
+                    continue
+                chosen[name] = (recorder, pg_id, status)
+        out = []
+        for name, (recorder, _pg_id, status) in sorted(chosen.items()):
+            entry = table.get(name) or PGEntry(name=name, desc="", ranks=(), backend=recorder)
+            pg = track.pgs.setdefault(name, _PGTrack())
+            out.append(self._pg_state(entry, pg, status, recorder, track, now))
+        return tuple(out)
+
+    @staticmethod
+    def _pg_state(entry: PGEntry, pg: _PGTrack, status: RawPGStatus, recorder: str, track: _RankTrack,
+                  now: float) -> PGState:
+        deep = pg.deep
+        exact = True
+        inflight: tuple[InflightCollective, ...] = ()
+        if deep is not None and deep.known and deep.raw == status:
+            enqueued, started, completed = deep.enqueued, deep.started, deep.completed
+            inflight = deep.inflight
+        elif not pg.has_p2p:
+            enqueued, started, completed = status.enqueued, status.started, status.completed
+            if deep is not None:
+                inflight = tuple(c for c in deep.inflight if completed < c.seq <= enqueued)
+        else:
+            assert deep is not None
+            enqueued, started, completed = deep.enqueued, deep.started, deep.completed
+            inflight = deep.inflight
+            exact = False
+        if pg.last_completed is not None and completed != pg.last_completed:
+            pg.last_progress = now
+        pg.last_completed = completed
+        timeout = entry.timeout_seconds
+        if deep is not None and deep.timeout_seconds:
+            timeout = deep.timeout_seconds
+        desc = entry.desc or (deep.desc if deep is not None else "")
+        return PGState(
+            name=entry.name,
+            desc=desc,
+            ranks=entry.ranks,
+            backend=entry.backend or recorder,
+            last_enqueued=enqueued,
+            last_started=started,
+            last_completed=completed,
+            inflight=inflight,
+            inflight_count=max(0, enqueued - completed),
+            timeout_seconds=timeout,
+            last_progress=pg.last_progress,
+            exact=exact,
+            has_p2p=pg.has_p2p,
+        )

@@ -1,0 +1,153 @@
+"""A tiny HTTP client for torch's C++ worker server on a unix socket.
+
+Only C++ handlers that answer without the GIL are called from the poll loop
+(``ping``, ``fr_trace_json``, ``dump_nccl_trace_json``). Every request carries
+``Content-Length: 0`` (older torch hangs without it), has a hard deadline for the
+whole exchange (a server that accepts and never answers cannot hold us), and a
+response size cap.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+import time
+from typing import Any
+
+from frexporter.sources.base import SourceError
+
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+
+
+def post(path: str, handler: str, timeout: float, query: str = "",
+         max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
+    """POST /handler/<name> and return the body, or raise SourceError with a reason."""
+    deadline = time.monotonic() + timeout
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except FileNotFoundError as e:
+            raise SourceError("socket_missing", f"{path}: no such socket") from e
+        except ConnectionRefusedError as e:
+            raise SourceError("socket_refused", f"{path}: connection refused (rank gone?)") from e
+        except PermissionError as e:
+            raise SourceError("permission", f"{path}: permission denied") from e
+        except TimeoutError as e:
+            raise SourceError("socket_timeout", f"{path}: connect timed out") from e
+        except OSError as e:
+            reason = "socket_refused" if e.errno in (errno.ECONNREFUSED, errno.ENOTSOCK) else "socket_error"
+            raise SourceError(reason, f"{path}: {e.strerror or e}") from e
+        target = f"/handler/{handler}" + (f"?{query}" if query else "")
+        request = (
+            f"POST {target} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        chunks: list[bytes] = []
+        total = 0
+        try:
+            sock.sendall(request)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                sock.settimeout(remaining)
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > max_bytes + 65536:
+                    raise SourceError("oversized", f"{path}: response larger than {max_bytes} bytes")
+                if _complete(chunks):
+                    break
+        except TimeoutError as e:
+            raise SourceError("socket_timeout", f"{path}: no answer to {handler} within {timeout:.1f}s") from e
+        except OSError as e:
+            raise SourceError("socket_error", f"{path}: {e.strerror or e}") from e
+    finally:
+        sock.close()
+    return _parse_response(b"".join(chunks), path, handler)
+
+
+def _complete(chunks: list[bytes]) -> bool:
+    # cpp-httplib may keep the connection open despite "Connection: close"; stop once
+    # Content-Length bytes of body have arrived instead of waiting for EOF.
+    data = b"".join(chunks) if len(chunks) > 1 else chunks[0]
+    head_end = data.find(b"\r\n\r\n")
+    if head_end < 0:
+        return False
+    for line in data[:head_end].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            try:
+                return len(data) - head_end - 4 >= int(value.strip())
+            except ValueError:
+                return False
+    return False
+
+
+def _parse_response(data: bytes, path: str, handler: str) -> bytes:
+    head_end = data.find(b"\r\n\r\n")
+    if head_end < 0:
+        raise SourceError("bad_response", f"{path}: incomplete HTTP response to {handler}")
+    head, body = data[:head_end], data[head_end + 4 :]
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
+        raise SourceError("bad_response", f"{path}: not an HTTP response")
+    try:
+        code = int(parts[1])
+    except ValueError as e:
+        raise SourceError("bad_response", f"{path}: bad HTTP status line") from e
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        body = _dechunk(body, path)
+    elif b"content-length" in headers:
+        try:
+            length = int(headers[b"content-length"])
+        except ValueError as e:
+            raise SourceError("bad_response", f"{path}: bad Content-Length") from e
+        if len(body) < length:
+            raise SourceError("bad_response", f"{path}: truncated response to {handler}")
+        body = body[:length]
+    if code == 404:
+        raise SourceError("handler_missing", f"{path}: handler {handler} not available in this torch")
+    if code != 200:
+        raise SourceError("handler_failed", f"{path}: {handler} answered HTTP {code}: {body[:200]!r}")
+    return body
+
+
+def _dechunk(body: bytes, path: str) -> bytes:
+    out = bytearray()
+    pos = 0
+    while True:
+        line_end = body.find(b"\r\n", pos)
+        if line_end < 0:
+            raise SourceError("bad_response", f"{path}: truncated chunked response")
+        try:
+            size = int(body[pos:line_end].split(b";")[0], 16)
+        except ValueError as e:
+            raise SourceError("bad_response", f"{path}: bad chunk size") from e
+        if size == 0:
+            return bytes(out)
+        start = line_end + 2
+        out += body[start : start + size]
+        pos = start + size + 2
+
+
+def post_json(path: str, handler: str, timeout: float, query: str = "") -> Any:
+    body = post(path, handler, timeout, query)
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise SourceError("bad_response", f"{path}: {handler} returned invalid JSON") from e
+
+
+def ping(path: str, timeout: float) -> bool:
+    return post(path, "ping", timeout).strip() == b"pong"

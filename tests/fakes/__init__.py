@@ -1,0 +1,1 @@
+"""Scriptable stand-ins for the hardware and processes the exporter reads."""

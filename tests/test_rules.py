@@ -1,0 +1,224 @@
+"""The canonical alert and recording rules: promtool's checks, its unit tests in
+tests/rules/, the conventions every alert follows, and the timing scaler."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from frexporter import naming
+from frexporter.rules import RULES_PATH, SCALE_MARKER, load_rules, parse_duration, render_rules
+
+REPO = Path(__file__).resolve().parents[1]
+UNIT_TESTS = sorted((REPO / "tests" / "rules").glob("*.yml"))
+RUNBOOK_URL = "https://github.com/frexporter/frexporter/blob/main/docs/runbooks/{}.md"
+SEVERITIES = {"info", "warning", "critical"}
+PROMTOOL_TIMEOUT_S = 120
+
+
+def _rules() -> list[dict[str, Any]]:
+    return [rule for group in load_rules()["groups"] for rule in group["rules"]]
+
+
+def _alerts() -> list[dict[str, Any]]:
+    return [rule for rule in _rules() if "alert" in rule]
+
+
+def _recorded() -> set[str]:
+    return {rule["record"] for rule in _rules() if "record" in rule}
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
+            pytest.fail("promtool is not on PATH and FREXPORTER_REQUIRE_TOOLS=1")
+        pytest.skip("promtool is not on PATH (Debian: apt-get install prometheus)")
+    return path
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=PROMTOOL_TIMEOUT_S, check=False)
+
+
+def _check_rules(promtool: str, path: Path) -> None:
+    result = _run([promtool, "check", "rules", "--lint=all", "--lint-fatal", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    # A file that parses to no rules also "succeeds".
+    assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
+
+
+def test_shipped_rules_pass_promtool_check_and_lint(promtool: str) -> None:
+    _check_rules(promtool, RULES_PATH)
+
+
+@pytest.mark.parametrize("scale", [0.1, 0.01])
+def test_scaled_rules_pass_promtool_check(promtool: str, tmp_path: Path, scale: float) -> None:
+    path = tmp_path / "scaled.rules.yml"
+    path.write_text(render_rules(scale), encoding="utf-8")
+    _check_rules(promtool, path)
+
+
+def test_promtool_unit_tests_pass(promtool: str) -> None:
+    assert UNIT_TESTS, "no promtool unit tests in tests/rules/"
+    result = _run([promtool, "test", "rules", *map(str, UNIT_TESTS)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_unit_tests_load_the_shipped_rules() -> None:
+    for test_file in UNIT_TESTS:
+        spec = yaml.safe_load(test_file.read_text(encoding="utf-8"))
+        resolved = [(test_file.parent / name).resolve() for name in spec["rule_files"]]
+        assert resolved == [RULES_PATH.resolve()], test_file
+
+
+def test_unit_tests_pin_every_alert_to_its_shipped_timing(promtool: str, tmp_path: Path) -> None:
+    """The same unit tests against rules with halved timings must fail for
+    every alert; otherwise a boundary test would pass whatever the timing."""
+    scaled = tmp_path / "scaled.rules.yml"
+    scaled.write_text(render_rules(0.5), encoding="utf-8")
+    copies = []
+    for test_file in UNIT_TESTS:
+        spec = yaml.safe_load(test_file.read_text(encoding="utf-8"))
+        spec["rule_files"] = [str(scaled)]
+        copy = tmp_path / test_file.name
+        copy.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+        copies.append(str(copy))
+    result = _run([promtool, "test", "rules", *copies])
+    assert result.returncode != 0, result.stdout
+    failed = set(re.findall(r"alertname: (\w+), time:", result.stdout + result.stderr))
+    assert failed == {alert["alert"] for alert in _alerts()}
+
+
+def test_every_alert_has_a_for_boundary_test() -> None:
+    """Per alert, some test expects it firing at t and silent at t minus one
+    evaluation interval, in the same input."""
+    covered: set[str] = set()
+    for test_file in UNIT_TESTS:
+        spec = yaml.safe_load(test_file.read_text(encoding="utf-8"))
+        step = parse_duration(spec["evaluation_interval"])
+        for case in spec["tests"]:
+            silent, firing = set(), set()
+            for check in case.get("alert_rule_test", []):
+                key = (check["alertname"], parse_duration(check["eval_time"]))
+                (firing if check["exp_alerts"] else silent).add(key)
+            covered |= {name for name, at in firing if (name, at - step) in silent}
+    assert covered == {alert["alert"] for alert in _alerts()}
+
+
+def _naming_metrics() -> set[str]:
+    return {
+        value for value in vars(naming).values() if isinstance(value, str) and value.startswith(naming.PREFIX)
+    }
+
+
+def _promql_names(expr: str) -> set[str]:
+    without_comments = re.sub(r"#[^\n]*", "", expr)
+    without_strings = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`', "", without_comments)
+    return set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", without_strings))
+
+
+def test_rules_reference_only_metrics_named_in_naming() -> None:
+    known = _naming_metrics()
+    recorded = _recorded()
+    referenced: set[str] = set()
+    for rule in _rules():
+        names = _promql_names(rule["expr"])
+        # Only recording rules produce names with a colon.
+        assert {n for n in names if ":" in n} <= recorded, rule
+        referenced |= {n for n in names if n.startswith(naming.PREFIX)}
+        for text in rule.get("annotations", {}).values():
+            referenced |= set(re.findall(r"\b" + naming.PREFIX + r"\w+", text))
+    assert referenced, "found no metric names: the scan is broken"
+    assert naming.PG_LAST_ENQUEUED_SEQ in referenced
+    assert referenced <= known, referenced - known
+
+
+def test_recording_rules_follow_level_metric_operations() -> None:
+    for name in _recorded():
+        level, metric, operations = name.split(":")
+        assert level and operations, name
+        assert metric.startswith(naming.PREFIX), name
+
+
+@pytest.mark.parametrize("alert", _alerts(), ids=lambda alert: alert["alert"])
+def test_alert_follows_conventions(alert: dict[str, Any]) -> None:
+    name = alert["alert"]
+    assert re.fullmatch(r"Frexporter[A-Z][A-Za-z]+", name)
+    assert "for" in alert
+    assert alert["labels"]["severity"] in SEVERITIES
+    annotations = alert["annotations"]
+    assert annotations["summary"].strip()
+    assert "$labels." in annotations["description"]
+    assert annotations["runbook_url"] == RUNBOOK_URL.format(name)
+    runbook = REPO / "docs" / "runbooks" / f"{name}.md"
+    assert runbook.is_file(), runbook
+    assert runbook.read_text(encoding="utf-8").startswith(f"# {name}\n")
+
+
+def test_load_rules_scales_for_and_marked_literals_only() -> None:
+    shipped, scaled = _rules(), [r for g in load_rules(0.1)["groups"] for r in g["rules"]]
+    marked = 0
+    for before, after in zip(shipped, scaled, strict=True):
+        if "for" in before:
+            assert math.isclose(parse_duration(after["for"]), parse_duration(before["for"]) * 0.1)
+        for line_before, line_after in zip(
+            before["expr"].split("\n"), after["expr"].split("\n"), strict=True
+        ):
+            if SCALE_MARKER not in line_before:
+                assert line_after == line_before
+                continue
+            marked += 1
+            number = r"(\d+(?:\.\d+)?)\s*\)*\s*#"
+            old = float(re.findall(number, line_before)[-1])
+            new = float(re.findall(number, line_after)[-1])
+            assert math.isclose(new, old * 0.1)
+        untimed = {"for", "expr"}
+        assert {k: v for k, v in after.items() if k not in untimed} == {
+            k: v for k, v in before.items() if k not in untimed
+        }
+    assert marked >= 4
+
+
+def test_load_rules_scaled_desync_timing() -> None:
+    desync = next(
+        rule
+        for group in load_rules(0.1)["groups"]
+        for rule in group["rules"]
+        if rule.get("alert") == "FrexporterCollectiveDesync"
+    )
+    assert desync["for"] == "1500ms"
+    assert re.search(r">= 3\s+# @scale", desync["expr"])
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, math.inf])
+def test_load_rules_rejects_bad_scale(scale: float) -> None:
+    with pytest.raises(ValueError):
+        load_rules(scale)
+
+
+def test_render_rules_round_trips() -> None:
+    assert yaml.safe_load(render_rules(0.1)) == load_rules(0.1)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("15s", 15.0), ("1m30s", 90.0), ("1500ms", 1.5), ("2h", 7200.0), ("1d", 86400.0)],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "15", "1.5s", "s", "15 s"])
+def test_parse_duration_rejects_non_durations(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
