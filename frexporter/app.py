@@ -33,9 +33,21 @@ class App:
         self.exporter.stop()
 
 
-def build_app(directory: str, host: str = "127.0.0.1", port: int = 0, poll_interval: float = 1.0,
-              stuck_after: float = 60.0, rank_timeout: float = 2.0, nvml: bool = True) -> App:
-    ranks = RanksSource(RanksConfig(directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout))
+def build_app(
+    directory: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    poll_interval: float = 1.0,
+    stuck_after: float = 60.0,
+    rank_timeout: float = 2.0,
+    nvml: bool = True,
+    deep_interval: float = RanksConfig.deep_interval,
+) -> App:
+    ranks = RanksSource(
+        RanksConfig(
+            directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval
+        )
+    )
     sources: list[tuple[Source, float]] = [(ranks, poll_interval)]
     if nvml:
         from frexporter.sources.nvml import NvmlSource

@@ -47,7 +47,7 @@ class RanksConfig:
     directory: str
     poll_interval: float = 1.0
     rank_timeout: float = 2.0  # longest any one rank may hold a poll
-    deep_interval: float = 10.0  # refresh of collective-domain values on PGs with p2p traffic
+    deep_interval: float = 15.0  # least time between deep reads that only refresh settled values
     departed_grace: float = 300.0  # keep exporting a dead or exited rank this long
     max_workers: int = 8
 
@@ -259,10 +259,12 @@ class RanksSource:
                     continue
                 settled = status == prev.get(pg_id)
                 pending = status.enqueued > status.completed
-                p2p = self._pg_track_for(track, recorder, pg_id).has_p2p
-                if settled and (pending or p2p):
+                # Work in flight that stopped moving may be a hang: read its entries at once. Anything
+                # else that moved since the last read (p2p traffic may have shifted torch's raw
+                # counters off the collective domain) is refreshed at most every deep_interval.
+                if settled and pending:
                     return True
-                if p2p and now - track.deep_time >= self.config.deep_interval:
+                if now - track.deep_time >= self.config.deep_interval:
                     return True
         return False
 
@@ -367,6 +369,9 @@ class RanksSource:
             track.departed_at = None
         elif track.departed_at is None:
             track.departed_at = now
+        # A clean exit is the normal end of a job, not an outage: stop exporting the rank at once.
+        if status == RANK_EXITED:
+            return None
         if track.departed_at is not None and now - track.departed_at > self.config.departed_grace:
             return None
 

@@ -107,6 +107,8 @@ elif scenario == "kill":
         dist.all_reduce(t)
     ready()
     if rank == 1:
+        while not os.path.exists(os.path.join(control, "kill")):
+            time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGKILL)
     idle()
 else:
