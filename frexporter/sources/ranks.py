@@ -205,7 +205,11 @@ class RanksSource:
         self._bad_files.pop(entry.path, None)
         if snap.pid != track.manifest.pid:
             return  # a snapshot of a previous incarnation, or of a rank that restarted before its manifest
-        if track.snapshot is None or snap.counter != track.snapshot.counter:
+        if track.snapshot is None:
+            # First sight (e.g. the exporter restarted mid-hang): trust the rank's own timestamp, both
+            # processes read the same node clock.
+            track.last_fresh = min(self.clock(), snap.time)
+        elif snap.counter != track.snapshot.counter:
             track.last_fresh = self.clock()
         track.snapshot = snap
 

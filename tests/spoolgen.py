@@ -1,0 +1,56 @@
+"""Synthetic spool files for tests and benchmarks, written through the same format module as the recorder."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from frexporter import spool
+
+
+def manifest(job_id: str, rank: int, pgs: int = 1, world: int = 8, socket: str = "", pid: int | None = None,
+             **extra: Any) -> dict[str, Any]:
+    groups = [{"name": "0", "desc": "default_pg", "ranks": list(range(world)), "backend": "cpu:gloo",
+               "local_ids": {"fr": 0}, "timeout_seconds": 1800.0}]
+    for i in range(1, pgs):
+        groups.append({"name": str(i), "desc": f"pg{i}", "ranks": list(range(world)), "backend": "cpu:gloo",
+                       "local_ids": {"fr": i}, "timeout_seconds": 600.0})
+    out = {
+        "format": spool.MANIFEST_FORMAT, "job_id": job_id, "rank": rank, "local_rank": rank % 8,
+        "world_size": world, "pid": pid if pid is not None else 100000 + rank, "hostname": "node-a",
+        "start_time": 1.0, "torch_version": "2.13.0+cpu", "backends": ["cpu:gloo"], "gpu_uuid": "",
+        "socket": socket, "handlers": ["fr_trace_json", "ping"], "recorders": ["fr"],
+        "fr_buffer_size": 2000, "process_groups": groups, "generation": 1,
+    }
+    out.update(extra)
+    return out
+
+
+def snapshot(pid: int, pgs: int = 1, seq: int = 10, counter: int = 1, when: float | None = None,
+             **extra: Any) -> dict[str, Any]:
+    status = {str(i): {"last_enqueued_collective": str(seq), "last_started_collective": "-1",
+                       "last_completed_collective": str(seq)} for i in range(pgs)}
+    out = {"format": spool.SNAPSHOT_FORMAT, "pid": pid, "time": when if when is not None else time.time(),
+           "interval": 0.2, "counter": counter, "status": {"fr": status}, "errors": {}, "state": "running",
+           "message": ""}
+    out.update(extra)
+    return out
+
+
+def write_rank(directory: Path, job_id: str, rank: int, pgs: int = 1, seq: int = 10, **kw: Any) -> str:
+    """A healthy rank (manifest + fresh snapshot, no socket); returns its stem."""
+    os.makedirs(directory, exist_ok=True)
+    stem = spool.rank_stem(job_id, rank)
+    m = manifest(job_id, rank, pgs=pgs, **kw)
+    spool.write_json_atomic(str(directory / (stem + spool.MANIFEST_SUFFIX)), m)
+    spool.write_json_atomic(str(directory / (stem + spool.SNAPSHOT_SUFFIX)), snapshot(m["pid"], pgs=pgs, seq=seq))
+    return stem
+
+
+def refresh(directory: Path, job_id: str, rank: int, counter: int, pgs: int = 1, seq: int = 10,
+            pid: int | None = None) -> None:
+    stem = spool.rank_stem(job_id, rank)
+    spool.write_json_atomic(str(directory / (stem + spool.SNAPSHOT_SUFFIX)),
+                            snapshot(pid if pid is not None else 100000 + rank, pgs=pgs, seq=seq, counter=counter))
