@@ -157,9 +157,10 @@ class Exporter:
         for reason, message in getattr(track.source, "errors", ()) or ():
             errors[reason] = errors.get(reason, 0) + 1
             track.last_error = message
-        nvml_errors = getattr(track.value, "field_errors", 0) if track.up else 0
-        if nvml_errors:
-            errors["field"] = errors.get("field", 0) + int(nvml_errors)
+        # Per-field failures inside an otherwise good reading (e.g. one GPU counter) count too.
+        field_errors = getattr(track.value, "field_errors", None) if track.up else None
+        for reason, count in (field_errors or {}).items():
+            errors[reason] = errors.get(reason, 0) + int(count)
         track.errors_total = errors
 
     def _down(self, track: _SourceTrack, reason: str, message: str) -> None:

@@ -1,0 +1,180 @@
+{{/*
+Names, labels and the pieces shared by the DaemonSet and the sidecar.
+Every template here takes the chart's own context: "." inside this chart, and
+".Subcharts.frexporter" from a chart that depends on this one.
+*/}}
+
+{{- define "frexporter.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "frexporter.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "frexporter.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "frexporter.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "frexporter.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "frexporter.labels" -}}
+helm.sh/chart: {{ include "frexporter.chart" . }}
+{{ include "frexporter.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: frexporter
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of the pods that run an exporter: the DaemonSet's, or the training pods' in sidecar mode. */}}
+{{- define "frexporter.exporterPodSelector" -}}
+{{- if eq .Values.mode "sidecar" }}
+{{- toYaml .Values.sidecar.podLabels }}
+{{- else }}
+{{- include "frexporter.selectorLabels" . }}
+{{- end }}
+{{- end }}
+
+{{- define "frexporter.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "frexporter.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "frexporter.image" -}}
+{{- $v := .Values.image }}
+{{- if $v.digest }}
+{{- printf "%s@%s" $v.repository $v.digest }}
+{{- else }}
+{{- printf "%s:%s" $v.repository (default .Chart.AppVersion $v.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "frexporter.nvmlEnabled" -}}
+{{- if kindIs "bool" .Values.exporter.nvml }}
+{{- .Values.exporter.nvml }}
+{{- else }}
+{{- eq .Values.mode "daemonset" }}
+{{- end }}
+{{- end }}
+
+{{/* The user id the exporter runs as; the hostPath spool is handed to it. 0 is a valid answer. */}}
+{{- define "frexporter.runAsUser" -}}
+{{- if hasKey .Values.securityContext "runAsUser" }}
+{{- .Values.securityContext.runAsUser | int64 }}
+{{- else }}
+{{- 65532 }}
+{{- end }}
+{{- end }}
+
+{{- define "frexporter.runAsGroup" -}}
+{{- if hasKey .Values.securityContext "runAsGroup" }}
+{{- .Values.securityContext.runAsGroup | int64 }}
+{{- else }}
+{{- include "frexporter.runAsUser" . }}
+{{- end }}
+{{- end }}
+
+{{/* Pod identity from the downward API, for the exporter and the training containers. */}}
+{{- define "frexporter.podIdentityEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+{{- end }}
+
+{{/*
+The exporter container. Takes (dict "ctx" <chart context> "sidecar" <bool>); a sidecar is
+a Kubernetes native sidecar (an init container with restartPolicy Always, 1.29+).
+*/}}
+{{- define "frexporter.container" -}}
+{{- $ := .ctx }}
+{{- $v := $.Values }}
+- name: frexporter
+  image: {{ include "frexporter.image" $ | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  {{- if .sidecar }}
+  restartPolicy: Always
+  {{- end }}
+  args:
+    - serve
+    - --dir
+    - {{ $v.spool.mountPath | quote }}
+    - --listen
+    - {{ printf ":%d" (int $v.exporter.port) | quote }}
+    - --poll-interval
+    - {{ toString $v.exporter.pollInterval | quote }}
+    - --stuck-after
+    - {{ toString $v.exporter.stuckAfter | quote }}
+    - --rank-timeout
+    - {{ toString $v.exporter.rankTimeout | quote }}
+    {{- if ne (include "frexporter.nvmlEnabled" $) "true" }}
+    - --no-nvml
+    {{- end }}
+    {{- range $v.exporter.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  env:
+    - name: FREXPORTER_DIR
+      value: {{ $v.spool.mountPath | quote }}
+    - name: FREXPORTER_LOG_LEVEL
+      value: {{ $v.exporter.logLevel | quote }}
+    {{- include "frexporter.podIdentityEnv" $ | nindent 4 }}
+    {{- if and (not .sidecar) (eq (include "frexporter.nvmlEnabled" $) "true") }}
+    # NVML for every GPU of the node through the NVIDIA container runtime; no privileges.
+    - name: NVIDIA_VISIBLE_DEVICES
+      value: all
+    - name: NVIDIA_DRIVER_CAPABILITIES
+      value: utility
+    {{- end }}
+    {{- with $v.exporter.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  ports:
+    - name: metrics
+      containerPort: {{ $v.exporter.port }}
+      protocol: TCP
+  {{- with $v.livenessProbe }}
+  livenessProbe:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.readinessProbe }}
+  readinessProbe:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  resources:
+    {{- toYaml $v.resources | nindent 4 }}
+  {{- with $v.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: {{ $v.spool.volumeName }}
+      mountPath: {{ $v.spool.mountPath | quote }}
+      readOnly: true
+{{- end }}

@@ -1,0 +1,80 @@
+"""/metrics for a fixed snapshot equals the committed golden file, and promtool accepts it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from frexporter import __version__
+from frexporter.model import (
+    RANK_OK,
+    RANK_UNRESPONSIVE,
+    InflightCollective,
+    NodeSnapshot,
+    PGState,
+    RankState,
+    SourceStatus,
+)
+from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.sources.nvml import EccErrors, GpuReading, GpuState
+from tests.harness import require_tool
+
+GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
+
+
+def pg(name: str, desc: str, enq: int, done: int, inflight: tuple[InflightCollective, ...] = (),
+       progress: float | None = 1700000000.0) -> PGState:
+    return PGState(name=name, desc=desc, ranks=(0, 1), backend="cpu:gloo", last_enqueued=enq, last_started=-1,
+                   last_completed=done, inflight=inflight, inflight_count=enq - done, timeout_seconds=1800.0,
+                   last_progress=progress, exact=True, has_p2p=False)
+
+
+def fixed_snapshot() -> NodeSnapshot:
+    stuck = InflightCollective(seq=8, op="all_reduce", created=1700000100.5, timeout_seconds=1800.0,
+                               input_sizes=((4,),), input_dtypes=("Float",))
+    ranks = (
+        RankState(job_id="llm", rank=0, local_rank=0, world_size=2, hostname="node-a", pid=101,
+                  torch_version="2.13.0+cpu", gpu_uuid="GPU-aaaa", status=RANK_OK, heartbeat=1700000200.0,
+                  heartbeat_age=0.2, socket_alive=None,
+                  pgs=(pg("0", "default_pg", 8, 7, (stuck,)), pg("1", "tp", 3, 3)),
+                  recorder_errors={"OSError": 2}),
+        RankState(job_id="llm", rank=1, local_rank=1, world_size=2, hostname="node-a", pid=102,
+                  torch_version="2.13.0+cpu", gpu_uuid="GPU-bbbb", status=RANK_UNRESPONSIVE,
+                  heartbeat=1700000150.0, heartbeat_age=50.2, socket_alive=True,
+                  pgs=(pg("0", "default_pg", 7, 7, progress=None), pg("1", "tp", 3, 3))),
+    )
+    gpus = GpuReading(timestamp=1700000200.0, driver_version="550.54.15", gpus=(
+        GpuState(index=0, uuid="GPU-aaaa", name="NVIDIA H100", utilization_ratio=0.97, memory_used_bytes=1 << 30,
+                 memory_total_bytes=80 << 30, temperature_celsius=61.0, power_watts=650.5, energy_joules=1.5e6,
+                 ecc_errors=EccErrors(corrected=3, uncorrected=0), xid_errors={79: 1}),
+    ))
+    sources = (
+        SourceStatus(name="ranks", up=True, duration_seconds=0.0015, errors_total={"corrupt": 1},
+                     last_success=1700000200.0),
+        SourceStatus(name="nvml", up=True, duration_seconds=0.004, errors_total={}, last_success=1700000200.0),
+    )
+    return NodeSnapshot(time=1700000200.0, hostname="node-a", ranks=ranks, sources=sources, gpus=gpus)
+
+
+def render() -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    snap = fixed_snapshot()
+    registry.register(SnapshotCollector(lambda: snap))
+    return generate_latest(registry).decode().replace(f'version="{__version__}"', 'version="VERSION"')
+
+
+def test_metrics_match_golden_file() -> None:
+    text = render()
+    if os.environ.get("FREXPORTER_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "run with FREXPORTER_UPDATE_GOLDEN=1 and review the diff"
+
+
+def test_golden_metrics_pass_promtool() -> None:
+    promtool = require_tool("promtool")
+    out = subprocess.run([promtool, "check", "metrics"], input=GOLDEN.read_text(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
