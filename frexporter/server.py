@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from frexporter.exporter import Exporter
+from frexporter.outputs import exposition
 from frexporter.outputs.api import status_html, status_json
 from frexporter.outputs.prometheus import SnapshotCollector
 
@@ -39,7 +40,10 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         try:
             if path == "/metrics":
-                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+                accept = self.headers.get("Accept", "")
+                encoder, content_type = choose_encoder(accept)
+                if content_type.startswith("text/plain"):
+                    encoder, content_type = exposition.encode, exposition.CONTENT_TYPE
                 self._send(200, encoder(self.server.registry), content_type)
             elif path == "/healthz":
                 self._healthz()

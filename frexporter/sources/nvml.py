@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from frexporter import naming
 from frexporter.sources.base import SourceError
 
 log = logging.getLogger(__name__)
@@ -260,6 +261,8 @@ _DOWN_MESSAGES = {
 
 class NvmlSource:
     """Reads every GPU once per ``collect()``; see the module docstring."""
+
+    name = naming.SOURCE_NVML
 
     def __init__(
         self,

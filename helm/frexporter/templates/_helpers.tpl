@@ -114,7 +114,7 @@ a Kubernetes native sidecar (an init container with restartPolicy Always, 1.29+)
 */}}
 {{- define "frexporter.container" -}}
 {{- $ := .ctx }}
-{{- $v := $.Values }}
+{{- $v := $.Values -}}
 - name: frexporter
   image: {{ include "frexporter.image" $ | quote }}
   imagePullPolicy: {{ $v.image.pullPolicy }}
@@ -167,8 +167,12 @@ a Kubernetes native sidecar (an init container with restartPolicy Always, 1.29+)
   readinessProbe:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- if $v.resources }}
   resources:
     {{- toYaml $v.resources | nindent 4 }}
+  {{- else }}
+  resources: {}
+  {{- end }}
   {{- with $v.securityContext }}
   securityContext:
     {{- toYaml . | nindent 4 }}
@@ -177,4 +181,23 @@ a Kubernetes native sidecar (an init container with restartPolicy Always, 1.29+)
     - name: {{ $v.spool.volumeName }}
       mountPath: {{ $v.spool.mountPath | quote }}
       readOnly: true
+{{- end }}
+
+{{/*
+Relabelings shared by the ServiceMonitor and the PodMonitor: the pod, namespace and node
+the exporter runs on become target labels (the operator adds pod and namespace itself;
+node only comes from here), and the job label is fixed so FrexporterExporterDown finds it.
+*/}}
+{{- define "frexporter.relabelings" -}}
+- sourceLabels: [__meta_kubernetes_pod_name]
+  targetLabel: pod
+- sourceLabels: [__meta_kubernetes_namespace]
+  targetLabel: namespace
+- sourceLabels: [__meta_kubernetes_pod_node_name]
+  targetLabel: node
+- targetLabel: job
+  replacement: {{ .Values.scrape.jobName }}
+{{- with .Values.scrape.relabelings }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}

@@ -1,0 +1,117 @@
+"""Exporter cost on synthetic spool directories: /metrics latency, resident memory, CPU per poll.
+
+Run by hand: ``python -m benchmarks.exporter_bench [--seconds 20]``. Ranks are simulated by a
+separate writer process that refreshes every rank's snapshot once per second (as live ranks do);
+8 fake GPUs sit behind the NVML interface. The baseline row is the same exporter over an empty
+spool directory, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from frexporter.app import App
+from frexporter.exporter import Exporter
+from frexporter.server import MetricsServer
+from frexporter.sources.nvml import NvmlSource
+from frexporter.sources.ranks import RanksConfig, RanksSource
+from tests import spoolgen
+from tests.fakes.gpu import FakeGpu, FakeGpuBackend
+
+WRITER = """
+import sys, time
+from pathlib import Path
+from tests import spoolgen
+directory, ranks, pgs, seconds = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+end = time.time() + seconds
+counter = 1
+while time.time() < end:
+    counter += 1
+    for r in range(ranks):
+        spoolgen.refresh(directory, "bench", r, counter, pgs=pgs, seq=counter)
+    time.sleep(1.0)
+"""
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(ranks: int, pgs: int, gpus: int, seconds: float) -> dict[str, float]:
+    directory = Path(tempfile.mkdtemp(prefix="frexporter-bench-"))
+    for r in range(ranks):
+        spoolgen.write_rank(directory, "bench", r, pgs=pgs, world=max(ranks, 1))
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(ranks), str(pgs), str(seconds * 2 + 5)],
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    source = RanksSource(RanksConfig(directory=str(directory), poll_interval=1.0))
+    backend = FakeGpuBackend([FakeGpu(uuid=f"GPU-{i:04d}") for i in range(gpus)])
+    exporter = Exporter([(source, 1.0), (NvmlSource(backend), 5.0)], poll_interval=1.0)
+    app = App(exporter=exporter, server=MetricsServer(exporter, "127.0.0.1", 0))
+    app.start()
+    url = f"http://127.0.0.1:{app.port}/metrics"
+    try:
+        # CPU of the poll loop alone: no scrapes during this window.
+        polls0, cpu0, wall0 = exporter.polls, time.process_time(), time.monotonic()
+        time.sleep(seconds)
+        cpu_share = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        polls = exporter.polls - polls0
+        latencies = []
+        body = b""
+        for _ in range(200):
+            t = time.perf_counter()
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                body = resp.read()
+            latencies.append(time.perf_counter() - t)
+        series = sum(1 for line in body.decode().splitlines() if line and not line.startswith("#"))
+        return {
+            "ranks": ranks, "pgs": pgs, "gpus": gpus,
+            "metrics_median_ms": statistics.median(latencies) * 1e3,
+            "metrics_p99_ms": sorted(latencies)[int(len(latencies) * 0.99) - 1] * 1e3,
+            "rss_mb": rss_bytes() / 2**20,
+            "poll_cpu_percent": cpu_share * 100,
+            "polls": polls,
+            "series": series,
+        }
+    finally:
+        app.stop()
+        writer.kill()
+        writer.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=20.0, help="poll-only window per configuration")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = [
+        measure(0, 0, 0, args.seconds),
+        measure(8, 16, 8, args.seconds),
+        measure(64, 16, 8, args.seconds),
+    ]
+    base = rows[0]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{'ranks':>5} {'pgs':>4} {'gpus':>4} {'series':>7} {'/metrics median':>16} {'p99':>8} "
+          f"{'vs empty':>9} {'RSS MB':>7} {'poll CPU %':>10}")
+    for row in rows:
+        print(f"{row['ranks']:>5} {row['pgs']:>4} {row['gpus']:>4} {row['series']:>7} "
+              f"{row['metrics_median_ms']:>13.2f} ms {row['metrics_p99_ms']:>5.2f} ms "
+              f"{row['metrics_median_ms'] / base['metrics_median_ms']:>8.1f}x {row['rss_mb']:>7.1f} "
+              f"{row['poll_cpu_percent']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

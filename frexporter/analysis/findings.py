@@ -1,0 +1,210 @@
+"""Per process group: which collective the group is stuck at, who waits there, who never joined (pure).
+
+A *finding* is one PG's frontier: the lowest collective seq ``s`` some live member
+waits at (``s = last_completed + 1`` with something in flight). It records the
+live members in flight at ``s`` (``waiting``), the observed members whose
+``last_enqueued < s`` (``missing``), members whose process is gone (``down``) and
+members the input has no state for at all (``unobserved``). Findings are facts
+about one PG; which of them is a root cause is decided by ``graph``.
+
+Guards that keep healthy or restarting jobs silent:
+
+- a finding is ``stuck`` only when its oldest waiter has waited ``stuck_after``
+  seconds, measured from the in-flight entry's creation time. Without a start
+  time (no deep read yet, no metric) nothing is stuck: a rarely used PG with an
+  old ``last_progress`` must not look hung the moment it is used again.
+- a PG whose ranks cannot all be in the same incarnation yields no finding: a
+  live rank completed the seq others wait for, or a fresh, exact rank is more
+  than one collective behind ranks that completed everything before ``s`` (they
+  could not have without it). That is what a restart looks like while old and
+  new state mix.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from frexporter.analysis.matching import Mismatch, find_mismatch
+from frexporter.model import RANK_DOWN, RANK_EXITED, RANK_OK, RANK_UNRESPONSIVE, InflightCollective, PGState, RankState
+
+RankKey = tuple[str, int]  # (job_id, global rank)
+
+
+@dataclass(frozen=True)
+class Finding:
+    job_id: str
+    pg: str
+    pg_desc: str
+    members: tuple[int, ...]
+    seq: int
+    op: str  # "" when no entry names it (metrics-only input)
+    since: float | None  # creation of the oldest waiter's entry at the frontier
+    timeout_seconds: float | None
+    stuck: bool
+    waiting: tuple[int, ...]  # live members in flight at seq
+    missing: tuple[int, ...]  # observed members (not down) with last_enqueued < seq
+    down: tuple[int, ...]  # members whose process is gone, joined or not
+    unobserved: tuple[int, ...]  # members with no RankState in the input
+    blockers: tuple[int, ...]  # who the waiting ranks wait for
+    mismatch: Mismatch | None = None
+    inexact: tuple[int, ...] = ()  # members whose collective-domain values come from an older deep read
+
+
+@dataclass(frozen=True)
+class FindingsConfig:
+    stuck_after: float
+    complete_view: bool
+
+
+@dataclass
+class _Group:
+    job_id: str
+    name: str
+    declared: tuple[int, ...]
+    desc: str = ""
+    states: dict[int, PGState] = field(default_factory=dict)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.declared) | set(self.states)))
+
+
+def wedged_seconds(rank: RankState, now: float) -> float | None:
+    if rank.heartbeat_age is not None:
+        return rank.heartbeat_age
+    return None if rank.heartbeat is None else now - rank.heartbeat
+
+
+def condition(rank: RankState, now: float, stuck_after: float) -> str:
+    """The rank's status as the engine uses it: unresponsive only once stale for ``stuck_after``."""
+    if rank.status in (RANK_DOWN, RANK_EXITED):
+        return rank.status
+    if rank.status == RANK_UNRESPONSIVE:
+        age = wedged_seconds(rank, now)
+        # No age at all: trust the source, which only says "unresponsive" after seeing a stale heartbeat.
+        if age is None or age >= stuck_after:
+            return RANK_UNRESPONSIVE
+    return RANK_OK
+
+
+def unique_ranks(ranks: Iterable[RankState]) -> dict[RankKey, RankState]:
+    out: dict[RankKey, RankState] = {}
+    for rank in ranks:
+        out.setdefault((rank.job_id, rank.rank), rank)  # the first report of a rank wins
+    return out
+
+
+def _groups(ranks: Mapping[RankKey, RankState]) -> list[_Group]:
+    declared: dict[tuple[str, str], set[tuple[int, ...]]] = defaultdict(set)
+    for rank in ranks.values():
+        for pg in rank.pgs:
+            if pg.ranks:
+                declared[(rank.job_id, pg.name)].add(tuple(sorted(set(pg.ranks))))
+    groups: dict[tuple[str, str, tuple[int, ...]], _Group] = {}
+    for rank in ranks.values():
+        for pg in rank.pgs:
+            members = tuple(sorted(set(pg.ranks)))
+            options = declared.get((rank.job_id, pg.name), set())
+            if not members and len(options) == 1:
+                members = next(iter(options))  # a rank that lacks the PG table still reports the same group
+            group = groups.setdefault((rank.job_id, pg.name, members), _Group(rank.job_id, pg.name, members))
+            group.states.setdefault(rank.rank, pg)
+            group.desc = group.desc or pg.desc
+    return [groups[key] for key in sorted(groups)]
+
+
+def _progress(pg: PGState | None) -> tuple[int, int]:
+    # A rank that has not reported the PG has run no collective on it.
+    return (0, 0) if pg is None else (pg.last_enqueued, pg.last_completed)
+
+
+def _in_flight(pg: PGState | None) -> bool:
+    return pg is not None and pg.last_enqueued > pg.last_completed
+
+
+def _first_entry_from(pg: PGState, seq: int) -> InflightCollective | None:
+    # The entry at seq itself when known; a later one only underestimates the wait, which is the safe side.
+    return next((e for e in pg.inflight if e.seq >= seq), None)
+
+
+def _entries_at(pg: PGState | None, seq: int) -> tuple[InflightCollective, ...]:
+    return () if pg is None else tuple(e for e in pg.inflight if e.seq == seq)
+
+
+def _consistent(group: _Group, seq: int, ranks: Mapping[int, RankState], cond: Mapping[int, str]) -> bool:
+    for r, rank in ranks.items():
+        pg = group.states.get(r)
+        enqueued, completed = _progress(pg)
+        if cond[r] == RANK_OK and pg is not None and completed >= seq:
+            return False
+        fresh = rank.status == RANK_OK and (pg is None or pg.exact)
+        if fresh and enqueued < seq - 1:
+            return False
+    return True
+
+
+def _timing(group: _Group, waiting: tuple[int, ...], seq: int) -> tuple[float | None, float | None]:
+    """(since, timeout) of the oldest waiter."""
+    oldest: tuple[float, int] | None = None
+    for r in waiting:
+        entry = _first_entry_from(group.states[r], seq)
+        if entry is not None and (oldest is None or (entry.created, r) < oldest):
+            oldest = (entry.created, r)
+    order = list(waiting) if oldest is None else [oldest[1], *waiting]
+    timeout = None
+    for r in order:
+        entry = _first_entry_from(group.states[r], seq)
+        timeout = (entry.timeout_seconds if entry is not None else None) or group.states[r].timeout_seconds
+        if timeout:
+            break
+    return (None if oldest is None else oldest[0]), timeout or None
+
+
+def _op(entries: Mapping[int, tuple[InflightCollective, ...]], mismatch: Mismatch | None) -> str:
+    named = {r: g[0].op for r, g in entries.items() if g and g[0].op}
+    if mismatch is not None and mismatch.majority:
+        return named.get(mismatch.majority[0], "")
+    return named[min(named)] if named else ""
+
+
+def _finding(group: _Group, ranks: Mapping[int, RankState], cond: Mapping[int, str], now: float,
+             config: FindingsConfig) -> Finding | None:
+    members = group.members
+    observed = {r: ranks[r] for r in members if r in ranks}
+    waiters = [r for r in observed if cond[r] == RANK_OK and _in_flight(group.states.get(r))]
+    if not waiters:
+        return None
+    seq = min(_progress(group.states[r])[1] + 1 for r in waiters)
+    if not _consistent(group, seq, observed, cond):
+        return None
+    joined = tuple(r for r in observed if r in group.states and _progress(group.states[r])[0] >= seq)
+    waiting = tuple(r for r in joined if cond[r] == RANK_OK)
+    missing = tuple(r for r in observed if r not in joined and cond[r] != RANK_DOWN)
+    down = tuple(r for r in observed if cond[r] == RANK_DOWN)
+    unobserved = tuple(r for r in members if r not in observed)
+    blockers = tuple(sorted(set(missing) | set(down) | (set(unobserved) if config.complete_view else set())))
+    entries = {r: _entries_at(group.states.get(r), seq) for r in joined}
+    mismatch = find_mismatch(entries, len(group.declared) or None)
+    since, timeout = _timing(group, waiting, seq)
+    return Finding(
+        job_id=group.job_id, pg=group.name, pg_desc=group.desc, members=members, seq=seq,
+        op=_op(entries, mismatch), since=since, timeout_seconds=timeout,
+        stuck=since is not None and now - since >= config.stuck_after,
+        waiting=waiting, missing=missing, down=down, unobserved=unobserved, blockers=blockers, mismatch=mismatch,
+        inexact=tuple(r for r in observed if r in group.states and not group.states[r].exact),
+    )
+
+
+def find_all(ranks: Mapping[RankKey, RankState], conditions: Mapping[RankKey, str], now: float,
+             config: FindingsConfig) -> list[Finding]:
+    """One finding per PG that has a live member in flight, in (job, pg) order."""
+    out = []
+    for group in _groups(ranks):
+        job_ranks = {r: ranks[(group.job_id, r)] for r in group.members if (group.job_id, r) in ranks}
+        cond = {r: conditions[(group.job_id, r)] for r in job_ranks}
+        finding = _finding(group, job_ranks, cond, now, config)
+        if finding is not None:
+            out.append(finding)
+    return out

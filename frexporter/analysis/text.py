@@ -1,0 +1,76 @@
+"""Phrasing for verdict summaries: one sentence an on-call engineer can act on (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+MAX_LISTED = 16  # rank tokens in a summary before the list is cut short
+
+
+def seconds(value: float) -> str:
+    return f"{max(0, round(value))}s"
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """``0,1,2`` with runs of four or more folded (``4-7``); long lists end with the total."""
+    values = sorted(set(ranks))
+    tokens: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        if j - i >= 3:
+            tokens.append(f"{values[i]}-{values[j]}")
+        else:
+            tokens.extend(str(v) for v in values[i:j + 1])
+        i = j + 1
+    if len(tokens) > MAX_LISTED:
+        return ",".join(tokens[:MAX_LISTED]) + f",… ({len(values)} ranks)"
+    return ",".join(tokens)
+
+
+def who(ranks: Iterable[int], capital: bool = True) -> str:
+    values = sorted(set(ranks))
+    word = "Rank" if len(values) == 1 else "Ranks"
+    return f"{word if capital else word.lower()} {rank_list(values)}"
+
+
+def short_name(name: str) -> str:
+    return name if len(name) <= 8 else name[:4] + "…"
+
+
+def pg_text(name: str, desc: str) -> str:
+    if desc and desc != "undefined":
+        return f"PG '{desc}' ({short_name(name)})"
+    return f"PG '{short_name(name)}'"
+
+
+def collective(op: str, seq: int) -> str:
+    return f"{op or 'collective'} #{seq}"
+
+
+def waited(ranks: Iterable[int], age: float | None) -> str:
+    values = sorted(set(ranks))
+    if not values:
+        return "nobody waits yet"
+    verb = "has" if len(values) == 1 else "have"
+    if age is None:
+        return f"{who(values, capital=False)} {'is' if len(values) == 1 else 'are'} waiting"
+    return f"{who(values, capital=False)} {verb} waited {seconds(age)}"
+
+
+def budget(age: float | None, timeout: float | None) -> str:
+    if timeout is None:
+        return "watchdog timeout unknown"
+    if age is None:
+        return f"the watchdog timeout is {seconds(timeout)}"
+    left = timeout - age
+    if left <= 0:
+        return f"{seconds(-left)} past the {seconds(timeout)} watchdog timeout"
+    return f"{seconds(left)} left before the {seconds(timeout)} watchdog timeout"
+
+
+def also_blocking(pgs: Iterable[tuple[str, str]]) -> str:
+    listed = [pg_text(name, desc) for name, desc in pgs]
+    return f" (also blocking {', '.join(listed)})" if listed else ""

@@ -1,0 +1,114 @@
+"""Parsers of outside data (spool files, FR dumps, worker-server answers) never raise anything unexpected."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from frexporter import frtrace, spool
+from frexporter.spool import SpoolError
+from frexporter.sources import worker_client
+from frexporter.sources.base import SourceError
+from tests import spoolgen
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    max_leaves=30,
+)
+
+
+def mutated(base: dict) -> st.SearchStrategy[dict]:
+    """Valid documents with one field replaced by anything: the realistic way files go wrong."""
+    return st.builds(lambda key, value: {**base, key: value}, st.sampled_from(sorted(base)), json_values)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(json_values, mutated(spoolgen.manifest("j", 1, pgs=2))))
+def test_manifest_parser_only_raises_spool_errors(doc: object) -> None:
+    try:
+        m = spool.parse_manifest(doc)
+    except SpoolError:
+        return
+    assert isinstance(m.rank, int) and m.rank >= 0
+    assert all(isinstance(r, int) for pg in m.process_groups for r in pg.ranks)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(json_values, mutated(spoolgen.snapshot(1, pgs=2))))
+def test_snapshot_parser_only_raises_spool_errors(doc: object) -> None:
+    try:
+        s = spool.parse_snapshot(doc)
+    except SpoolError:
+        return
+    for statuses in s.status.values():
+        assert all(isinstance(k, int) for k in statuses)
+
+
+GLOO_ENTRY = {
+    "record_id": 0, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": 1, "p2p_seq_id": 0,
+    "op_id": 1, "profiling_name": "gloo:all_reduce", "time_created_ns": 1795331103554771211,
+    "input_sizes": [[4, 3]], "input_dtypes": ["Float"], "output_sizes": [[4, 3]], "output_dtypes": ["Float"],
+    "state": "scheduled", "time_discovered_started_ns": 0, "time_discovered_completed_ns": 0, "retired": True,
+    "timeout_ms": 1800000, "is_p2p": False,
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(json_values, mutated(GLOO_ENTRY)), max_size=6), json_values)
+def test_fr_dump_parser_drops_bad_entries(entries: list, status: object) -> None:
+    doc = {"version": "2.10", "pg_status": status, "entries": entries}
+    try:
+        dump = frtrace.parse_dump(doc)
+    except SpoolError:
+        return
+    assert len(dump.entries) + dump.dropped_entries == len(entries)
+
+
+def test_fr_dump_json_and_pickle_shapes_agree() -> None:
+    as_json = {"version": "2.10", "pg_status": {"0": {"last_enqueued_collective": "2",
+                                                       "last_started_collective": "-1",
+                                                       "last_completed_collective": "1"}},
+               "entries": [GLOO_ENTRY]}
+    as_pickle = {"version": "2.10", "pg_status": {0: {"last_enqueued_collective": 2, "last_started_collective": -1,
+                                                       "last_completed_collective": 1}},
+                 "entries": [{**GLOO_ENTRY, "process_group": ("0", "default_pg"),
+                              "time_discovered_started_ns": None}]}
+    a, b = frtrace.parse_dump(as_json), frtrace.parse_dump(as_pickle)
+    assert a.pg_status == b.pg_status and a.entries == b.entries
+    assert a.entries[0].op == "all_reduce" and a.entries[0].done
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300))
+def test_worker_response_parser_only_raises_source_errors(data: bytes) -> None:
+    try:
+        worker_client._parse_response(data, "sock", "h")
+    except SourceError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(200, 599), st.binary(max_size=100), st.booleans())
+def test_worker_response_round_trip(code: int, body: bytes, chunked: bool) -> None:
+    if chunked:
+        raw = (f"HTTP/1.1 {code} X\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+               + (f"{len(body):x}\r\n".encode() + body + b"\r\n" if body else b"") + b"0\r\n\r\n")
+    else:
+        raw = f"HTTP/1.1 {code} X\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    try:
+        assert worker_client._parse_response(raw, "sock", "h") == body
+        assert code == 200
+    except SourceError as e:
+        assert code != 200 and e.reason in ("handler_missing", "handler_failed")
+
+
+def test_atomic_write_is_private(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    spool.write_json_atomic(str(path), {"a": 1})
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
