@@ -1,0 +1,53 @@
+"""Verdicts: which rank of which process group is stuck on which collective (pure, no I/O).
+
+``evaluate`` is the engine; ``VerdictTracker`` turns successive evaluations into
+appear/clear events. Modules: ``findings`` (per-PG facts), ``matching`` (do
+entries at one seq agree, as torch's FR analyzer judges), ``graph`` (root causes
+across PGs), ``text`` (summary phrasing), ``verdicts`` (the public engine),
+``tracker`` (appear/clear).
+"""
+
+from __future__ import annotations
+
+from frexporter.analysis.tracker import TrackerUpdate, VerdictKey, VerdictTracker, verdict_key
+from frexporter.analysis.verdicts import (
+    DEFAULT_STUCK_AFTER,
+    KINDS,
+    MISMATCH_KIND,
+    MISSING_RANK,
+    NO_SEQ,
+    RANK_DOWN_KIND,
+    RANK_UNRESPONSIVE_KIND,
+    STALLED,
+    STRAGGLER,
+    Verdict,
+    VerdictConfig,
+    analyze_snapshot,
+    budget_left,
+    evaluate,
+    make_analyzer,
+    with_oldest_start,
+)
+
+__all__ = [
+    "DEFAULT_STUCK_AFTER",
+    "KINDS",
+    "MISMATCH_KIND",
+    "MISSING_RANK",
+    "NO_SEQ",
+    "RANK_DOWN_KIND",
+    "RANK_UNRESPONSIVE_KIND",
+    "STALLED",
+    "STRAGGLER",
+    "TrackerUpdate",
+    "Verdict",
+    "VerdictConfig",
+    "VerdictKey",
+    "VerdictTracker",
+    "analyze_snapshot",
+    "budget_left",
+    "evaluate",
+    "make_analyzer",
+    "verdict_key",
+    "with_oldest_start",
+]

@@ -1,0 +1,354 @@
+"""The verdict engine: who is stuck, where, why, and how much watchdog budget is left (pure, no I/O).
+
+``evaluate(ranks, now, config)`` takes ``RankState`` objects from any source and
+returns ``Verdict`` objects in a deterministic order:
+
+- one node's snapshot (``complete_view=False``): PG members on other nodes are
+  simply not seen and never blamed. When every observed member joined and the
+  collective is stuck, the verdict is ``stalled`` with the unseen members in
+  ``details["unobserved_ranks"]``: from one node a missing rank elsewhere and a
+  stalled network look the same, so the cross-node view must decide.
+- a whole job rebuilt from Prometheus series, or FR dump files
+  (``complete_view=True``): a member with no state at all is as good as one that
+  never joined, so it is blamed (``details["unobserved_ranks"]`` says it had no data).
+
+Metrics carry no in-flight entries, only a count and the oldest start time:
+``with_oldest_start`` turns those into one synthetic entry with op ``""`` (the
+op is then unknown and mismatches cannot be judged, but missing ranks and
+budgets can). How findings become root causes: see ``findings`` and ``graph``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from frexporter.analysis import text
+from frexporter.analysis.findings import (
+    Finding,
+    FindingsConfig,
+    RankKey,
+    condition,
+    find_all,
+    unique_ranks,
+    wedged_seconds,
+)
+from frexporter.analysis.graph import MISMATCH, PG, RANK, Cause, build, resolve
+from frexporter.model import (
+    RANK_DOWN,
+    RANK_OK,
+    RANK_UNRESPONSIVE,
+    InflightCollective,
+    NodeSnapshot,
+    PGState,
+    RankState,
+)
+
+MISSING_RANK = "missing_rank"
+MISMATCH_KIND = "mismatch"
+STALLED = "stalled"
+RANK_DOWN_KIND = "rank_down"
+RANK_UNRESPONSIVE_KIND = "rank_unresponsive"
+STRAGGLER = "straggler"  # reserved: needs per-rank wait statistics the model does not carry yet
+KINDS = (MISSING_RANK, MISMATCH_KIND, STALLED, RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND, STRAGGLER)
+
+DEFAULT_STUCK_AFTER = 60.0
+NO_SEQ = -1  # seq of a verdict that names no collective (a down rank nobody waits for yet)
+MAX_DETAIL_RANKS = 16  # per-rank evidence kept in details
+
+
+@dataclass(frozen=True)
+class VerdictConfig:
+    """``stuck_after``: seconds a collective may wait before that is a verdict (also the threshold for a
+    stale heartbeat to count as a wedged rank). ``complete_view``: the input holds every rank of the job
+    (Prometheus, dump files), so members without state are blamed rather than ignored."""
+
+    stuck_after: float = DEFAULT_STUCK_AFTER
+    complete_view: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str
+    job_id: str
+    pg: str  # cross-rank PG name; "" when no PG is involved
+    pg_desc: str
+    ranks: tuple[int, ...]  # culprits
+    waiting_ranks: tuple[int, ...]
+    seq: int  # collective-domain seq; NO_SEQ when none
+    op: str  # as FR names it; "" when unknown
+    since: float | None  # unix seconds
+    age_seconds: float | None
+    timeout_seconds: float | None
+    budget_used: float | None  # age / timeout
+    summary: str
+    details: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "job_id": self.job_id, "pg": self.pg, "pg_desc": self.pg_desc,
+            "ranks": list(self.ranks), "waiting_ranks": list(self.waiting_ranks), "seq": self.seq, "op": self.op,
+            "since": self.since, "age_seconds": self.age_seconds, "timeout_seconds": self.timeout_seconds,
+            "budget_used": self.budget_used, "summary": self.summary, "details": _jsonable(self.details),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value) if isinstance(value, (set, frozenset)) else value
+        return [_jsonable(v) for v in items]
+    return value
+
+
+def budget_left(verdict: Verdict) -> float | None:
+    """Seconds before the watchdog fires on the collective (negative once past), None if unknown."""
+    if verdict.timeout_seconds is None or verdict.age_seconds is None:
+        return None
+    return verdict.timeout_seconds - verdict.age_seconds
+
+
+def with_oldest_start(pg: PGState, oldest_start: float | None) -> PGState:
+    """A PG rebuilt from metrics (count and oldest start, no entries) as the engine reads it.
+
+    Adds one synthetic entry at ``last_completed + 1`` with op ``""``; PGs that have entries, or
+    nothing in flight, or no start time come back unchanged.
+    """
+    if pg.inflight or oldest_start is None or pg.last_enqueued <= pg.last_completed:
+        return pg
+    entry = InflightCollective(seq=pg.last_completed + 1, op="", created=oldest_start,
+                               timeout_seconds=pg.timeout_seconds)
+    return replace(pg, inflight=(entry,))
+
+
+def verdict_sort_key(v: Verdict) -> tuple[str, str, str, tuple[int, ...], int]:
+    return (v.job_id, v.pg, v.kind, v.ranks, v.seq)
+
+
+@dataclass
+class _Context:
+    findings: Sequence[Finding]
+    ranks: Mapping[RankKey, RankState]
+    conditions: Mapping[RankKey, str]
+    now: float
+
+    def rank(self, job_id: str, rank: int) -> RankState | None:
+        return self.ranks.get((job_id, rank))
+
+    def timing(self, indexes: Iterable[int]) -> tuple[float | None, float | None, float | None]:
+        """(since, age, timeout) of the involved finding nearest to its watchdog (else the oldest)."""
+        timed = [self.findings[i] for i in indexes if self.findings[i].since is not None]
+        if not timed:
+            return None, None, None
+
+        def left(f: Finding) -> tuple[float, float]:
+            assert f.since is not None
+            age = self.now - f.since
+            return (f.timeout_seconds - age if f.timeout_seconds else float("inf"), f.since)
+
+        urgent = min(timed, key=left)
+        assert urgent.since is not None
+        return urgent.since, self.now - urgent.since, urgent.timeout_seconds
+
+
+def _budget_used(age: float | None, timeout: float | None) -> float | None:
+    return None if age is None or not timeout else age / timeout
+
+
+def _host(rank: RankState | None) -> str:
+    if rank is None or not rank.hostname:
+        return ""
+    return f" (host {rank.hostname}, pid {rank.pid})"
+
+
+def _rank_evidence(rank: RankState | None, now: float) -> dict[str, Any]:
+    if rank is None:
+        return {}
+    return {"hostname": rank.hostname, "pid": rank.pid, "status": rank.status,
+            "heartbeat_age_seconds": wedged_seconds(rank, now), "socket_alive": rank.socket_alive}
+
+
+def _entry_evidence(f: Finding, ctx: _Context, ranks: Iterable[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for r in list(ranks)[:MAX_DETAIL_RANKS]:
+        state = ctx.rank(f.job_id, r)
+        pg = next((p for p in state.pgs if p.name == f.pg), None) if state else None
+        entry = next((e for e in pg.inflight if e.seq == f.seq), None) if pg else None
+        if entry is not None:
+            out[str(r)] = {"op": entry.op, "input_sizes": [list(s) for s in entry.input_sizes],
+                           "output_sizes": [list(s) for s in entry.output_sizes],
+                           "input_dtypes": list(entry.input_dtypes), "output_dtypes": list(entry.output_dtypes)}
+    return out
+
+
+class _Builder:
+    """Phrases one root cause as a Verdict."""
+
+    def __init__(self, cause: Cause, ctx: _Context) -> None:
+        self.cause = cause
+        self.ctx = ctx
+        assert cause.anchor is not None
+        self.f = ctx.findings[cause.anchor]
+        involved = [cause.anchor, *cause.upstream, *cause.cycle]
+        self.since, self.age, self.timeout = ctx.timing(involved)
+        if self.since is None:
+            self.timeout = self.f.timeout_seconds
+        # PGs of a deadlock are described as such, not as collateral.
+        upstream = set(cause.upstream) - set(cause.cycle)
+        self.blocked = sorted({(ctx.findings[i].pg, ctx.findings[i].pg_desc) for i in upstream}
+                              - {(self.f.pg, self.f.pg_desc)})
+
+    def make(self, kind: str, summary: str, extra: Mapping[str, Any]) -> Verdict:
+        details: dict[str, Any] = {"blocked_pgs": [name for name, _ in self.blocked]}
+        if self.f.unobserved:
+            details["unobserved_ranks"] = list(self.f.unobserved)
+        if self.f.inexact:
+            details["inexact_ranks"] = list(self.f.inexact)
+        details.update(extra)
+        return Verdict(kind=kind, job_id=self.f.job_id, pg=self.f.pg, pg_desc=self.f.pg_desc,
+                       ranks=self.cause.culprits, waiting_ranks=self.cause.waiting, seq=self.f.seq, op=self.f.op,
+                       since=self.since, age_seconds=self.age, timeout_seconds=self.timeout,
+                       budget_used=_budget_used(self.age, self.timeout), summary=summary, details=details)
+
+    @property
+    def where(self) -> str:
+        return f"{text.collective(self.f.op, self.f.seq)} on {text.pg_text(self.f.pg, self.f.pg_desc)}"
+
+    def tail(self, waiting: Sequence[int] | None = None) -> str:
+        """'ranks 0,1 have waited 95s (also blocking ...), 505s left before the 600s watchdog timeout'"""
+        ranks = self.cause.waiting if waiting is None else waiting
+        return (f"{text.waited(ranks, self.age)}{text.also_blocking(self.blocked)}, "
+                f"{text.budget(self.age, self.timeout)}")
+
+    def missing_rank(self) -> Verdict:
+        culprits = self.cause.culprits
+        unseen = sorted(set(culprits) & set(self.f.unobserved))
+        nodata = f" (no data from {text.who(unseen, capital=False)})" if unseen else ""
+        summary = f"{text.who(culprits)} never joined {self.where}{nodata}; {self.tail()}."
+        hosts = {str(r): s.hostname for r in culprits[:MAX_DETAIL_RANKS] if (s := self.ctx.rank(self.f.job_id, r))}
+        return self.make(MISSING_RANK, summary, {"hosts": hosts})
+
+    def stalled(self) -> Verdict:
+        f, age = self.f, self.age
+        how_long = f" for {text.seconds(age)}" if age is not None else ""
+        budget = text.budget(age, self.timeout)
+        blocked = text.also_blocking(self.blocked)
+        if f.unobserved and not set(f.unobserved) & set(f.blockers):
+            seen = [r for r in f.members if r not in f.unobserved]
+            summary = (f"{text.who(seen)} of {text.pg_text(f.pg, f.pg_desc)} (all observed here) joined "
+                       f"{text.collective(f.op, f.seq)} and none has completed it{how_long}{blocked}; "
+                       f"{text.who(f.unobserved, capital=False)} are not observed here: check them in the "
+                       f"cross-node view; {budget}.")
+        else:
+            summary = (f"All {len(f.members)} ranks of {text.pg_text(f.pg, f.pg_desc)} joined "
+                       f"{text.collective(f.op, f.seq)} and none has completed it{how_long}{blocked}: suspect "
+                       f"the network or a GPU of {text.who(f.members, capital=False)}; {budget}.")
+        return self.make(STALLED, summary, {})
+
+    def mismatch(self) -> Verdict:
+        m = self.f.mismatch
+        assert m is not None
+        culprits, majority = text.who(m.culprits), text.who(m.majority, capital=False)
+        if m.what == "op":
+            head = f"{culprits} called {text.collective(m.found_op, self.f.seq)} on " \
+                   f"{text.pg_text(self.f.pg, self.f.pg_desc)} where {majority} called {m.op}"
+        elif m.what == "syntax":
+            head = f"{culprits} joined a malformed {text.collective(m.found_op, self.f.seq)} on " \
+                   f"{text.pg_text(self.f.pg, self.f.pg_desc)} ({m.found}, expected {m.expected})"
+        else:
+            head = f"{culprits} joined {self.where} with {m.what} {m.found} where {majority} have {m.expected}"
+        evidence = {"what": m.what, "expected": m.expected, "found": m.found, "majority_ranks": list(m.majority),
+                    "entries": _entry_evidence(self.f, self.ctx, [*m.culprits, *m.majority[:1]])}
+        return self.make(MISMATCH_KIND, f"{head}; {self.tail()}.", {"mismatch": evidence})
+
+    def rank_gone(self, kind: str) -> Verdict:
+        r = self.cause.culprits[0]
+        state = self.ctx.rank(self.f.job_id, r)
+        summary = (f"{_gone_text(kind, r, state, self.ctx.now)}; {text.waited(self.cause.waiting, self.age)} "
+                   f"for it in {self.where}{text.also_blocking(self.blocked)}, {text.budget(self.age, self.timeout)}.")
+        return self.make(kind, summary, _rank_evidence(state, self.ctx.now))
+
+    def deadlock(self) -> Verdict:
+        cycle = [self.ctx.findings[i] for i in self.cause.cycle]
+        # Ranks that wait in one PG of the cycle and are waited for in another.
+        in_cycle = set().union(*(f.waiting for f in cycle)) & set().union(*(f.blockers for f in cycle))
+        parts = []
+        for f in cycle:
+            waits, missing = sorted(set(f.waiting) & in_cycle), sorted(set(f.blockers) & in_cycle)
+            if waits and missing:
+                parts.append(f"{text.who(waits, capital=False)} in {text.collective(f.op, f.seq)} on "
+                             f"{text.pg_text(f.pg, f.pg_desc)} for {text.who(missing, capital=False)}")
+        edges = [{"pg": f.pg, "pg_desc": f.pg_desc, "seq": f.seq, "op": f.op, "waiting": list(f.waiting),
+                  "missing": list(f.blockers)} for f in cycle]
+        waiting = text.waited(self.cause.waiting, self.age) if self.cause.waiting else "they wait"
+        summary = (f"{text.who(self.cause.culprits)} deadlock, each waiting in a collective another never joined "
+                   f"({'; '.join(parts)}): they issued collectives in different orders; {waiting}"
+                   f"{text.also_blocking(self.blocked)}, {text.budget(self.age, self.timeout)}.")
+        return self.make(MISSING_RANK, summary, {"deadlock": edges})
+
+
+def _gone_text(kind: str, rank: int, state: RankState | None, now: float) -> str:
+    hb = wedged_seconds(state, now) if state is not None else None
+    if kind == RANK_DOWN_KIND:
+        last = f", last heartbeat {text.seconds(hb)} ago" if hb is not None else ""
+        return f"Rank {rank}{_host(state)} is down (process gone{last})"
+    wedged = f" for {text.seconds(hb)}" if hb is not None else ""
+    socket = ", worker socket alive" if state is not None and state.socket_alive else ""
+    return f"Rank {rank}{_host(state)} is unresponsive: its Python has been wedged{wedged} (heartbeat stale{socket})"
+
+
+def _lone_rank(kind: str, state: RankState, now: float) -> Verdict:
+    """A down or wedged rank nobody waits for (yet)."""
+    age = wedged_seconds(state, now)
+    summary = f"{_gone_text(kind, state.rank, state, now)}; no collective waits on it yet."
+    return Verdict(kind=kind, job_id=state.job_id, pg="", pg_desc="", ranks=(state.rank,), waiting_ranks=(),
+                   seq=NO_SEQ, op="", since=state.heartbeat, age_seconds=age, timeout_seconds=None,
+                   budget_used=None, summary=summary, details=_rank_evidence(state, now))
+
+
+_GONE_KINDS = {RANK_DOWN: RANK_DOWN_KIND, RANK_UNRESPONSIVE: RANK_UNRESPONSIVE_KIND}
+
+
+def _phrase(cause: Cause, ctx: _Context) -> Verdict | None:
+    involved = [i for i in (cause.anchor, *cause.upstream, *cause.cycle) if i is not None]
+    gone = _GONE_KINDS.get(ctx.conditions.get((cause.job_id, cause.culprits[0]), RANK_OK)) \
+        if cause.kind == RANK and len(cause.culprits) == 1 else None
+    # Down and wedged ranks are verdicts in their own right; everything else waits out stuck_after.
+    if gone is None and not any(ctx.findings[i].stuck for i in involved):
+        return None
+    builder = _Builder(cause, ctx)
+    if gone is not None:
+        return builder.rank_gone(gone)
+    if cause.kind == RANK:
+        return builder.missing_rank()
+    if cause.kind == MISMATCH:
+        return builder.mismatch()
+    if cause.kind == PG:
+        return builder.stalled()
+    return builder.deadlock()
+
+
+def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | None = None) -> tuple[Verdict, ...]:
+    """All verdicts for these ranks at ``now`` (unix seconds), sorted by job, PG, kind, culprits."""
+    config = config or VerdictConfig()
+    states = unique_ranks(ranks)
+    conditions = {key: condition(rank, now, config.stuck_after) for key, rank in states.items()}
+    findings = find_all(states, conditions, now, FindingsConfig(config.stuck_after, config.complete_view))
+    graph = build(findings, {key: c == RANK_OK for key, c in conditions.items()})
+    gone = {key for key, c in conditions.items() if c in _GONE_KINDS}
+    ctx = _Context(findings, states, conditions, now)
+    verdicts = [v for cause in resolve(graph, findings, gone) if (v := _phrase(cause, ctx)) is not None]
+    attached = {(v.job_id, v.ranks[0]) for v in verdicts if v.kind in (RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND)}
+    verdicts += [_lone_rank(_GONE_KINDS[conditions[key]], states[key], now) for key in sorted(gone - attached)]
+    return tuple(sorted(verdicts, key=verdict_sort_key))
+
+
+def analyze_snapshot(snapshot: NodeSnapshot, config: VerdictConfig | None = None) -> tuple[Verdict, ...]:
+    return evaluate(snapshot.ranks, snapshot.time, config)
+
+
+def make_analyzer(config: VerdictConfig | None = None) -> Callable[[NodeSnapshot], tuple[Verdict, ...]]:
+    """The ``Exporter.analyzer`` callable for a node view."""
+    return lambda snapshot: analyze_snapshot(snapshot, config)

@@ -1,0 +1,117 @@
+"""The command line: serve as a real process, run with no code change, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from frexporter import naming as n
+from tests import spoolgen
+from tests.harness import REPO, WORKER, free_port, metrics, sample, wait_for
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def frexporter(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "frexporter", *args], capture_output=True, text=True, timeout=120,
+                          env=ENV, **kw)  # type: ignore[call-overload]
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return 0, ""  # not listening yet
+
+
+def test_serve_process_answers_every_endpoint_and_stops_on_sigterm(tmp_path: Path) -> None:
+    spoolgen.write_rank(tmp_path, "job", 0, pgs=2)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "frexporter", "serve", "--dir", str(tmp_path), "--listen",
+                             f"127.0.0.1:{port}", "--poll-interval", "0.2", "--no-nvml"], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: http_get(base + "/healthz")[0] == 200 if proc.poll() is None else pytest.fail(
+            proc.stderr.read()), timeout=20, what="healthz")
+        code, text = http_get(base + "/metrics")
+        assert code == 200
+        parsed = metrics(text)
+        assert sample(parsed, n.PG_LAST_COMPLETED_SEQ, rank="0", pg_desc="pg1") == 10
+        assert sample(parsed, n.BUILD_INFO) == 1
+        code, body = http_get(base + "/api/v1/status")
+        status = json.loads(body)
+        assert code == 200 and status["ranks"][0]["rank"] == 0 and status["verdicts"] == []
+        assert {"ranks", "process_groups", "verdicts"} <= set(status)
+        code, page = http_get(base + "/")
+        assert code == 200 and "frexporter on" in page
+        assert http_get(base + "/nope")[0] == 404
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+
+
+def test_serve_rejects_bad_flags_with_a_clear_message() -> None:
+    out = frexporter("serve", "--listen", "nonsense")
+    assert out.returncode == 2 and "HOST:PORT" in out.stderr
+    out = frexporter("serve", "--poll-interval", "-1")
+    assert out.returncode == 2 and "must be > 0" in out.stderr
+
+
+def test_serve_reports_a_busy_port(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = frexporter("serve", "--dir", str(tmp_path), "--listen", f"127.0.0.1:{s.getsockname()[1]}",
+                         "--no-nvml")
+    assert out.returncode == 1 and "cannot listen" in out.stderr
+
+
+def test_help_and_version() -> None:
+    out = frexporter("--help")
+    assert out.returncode == 0 and "serve" in out.stdout and "demo" in out.stdout and "run" in out.stdout
+    out = frexporter("--version")
+    assert out.returncode == 0 and out.stdout.startswith("frexporter ")
+
+
+@pytest.mark.e2e
+def test_run_installs_the_recorder_without_code_change(tmp_path: Path) -> None:
+    spool_dir, control = tmp_path / "spool", tmp_path / "control"
+    control.mkdir()
+    port = str(free_port())
+    env = {**ENV, "JOB_INSTALL": "0", "JOB_MAX_LIFETIME": "60", "FREXPORTER_SNAPSHOT_INTERVAL": "0.2"}
+    env.pop("TORCH_FR_BUFFER_SIZE", None)
+    procs = [subprocess.Popen([sys.executable, "-m", "frexporter", "run", "--dir", str(spool_dir), "--job-id",
+                               "nocode", "--", sys.executable, str(WORKER), "counts", str(r), "2", port,
+                               str(control)], env=env) for r in range(2)]
+    try:
+        def manifests() -> list[dict]:
+            files = sorted(spool_dir.glob("*.manifest.json")) if spool_dir.exists() else []
+            return [json.loads(f.read_text()) for f in files]
+
+        found = wait_for(lambda: len(manifests()) == 2 and manifests(), timeout=60, what="two manifests")
+        assert {m["job_id"] for m in found} == {"nocode"}
+        assert all(m["fr_buffer_size"] == 2000 for m in found)  # Flight Recorder turned on by the wrapper
+        wait_for(lambda: (control / "rank0.ready").exists(), timeout=60)
+    finally:
+        (control / "stop").write_text("1")
+        for p in procs:
+            assert p.wait(timeout=30) == 0
+
+
+def test_run_without_command_is_a_usage_error() -> None:
+    out = frexporter("run")
+    assert out.returncode == 2 and "no command" in out.stderr

