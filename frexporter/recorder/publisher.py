@@ -8,6 +8,7 @@ kind; the thread itself reports its own death in a last snapshot.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -51,7 +52,8 @@ class Publisher:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 2 * self.interval))
         if self._stem:
-            self._write_snapshot({}, state=state, message="process exiting")
+            with contextlib.suppress(Exception):  # at exit the disk may be full or the dir gone
+                self._write_snapshot({}, state=state, message="process exiting")
         if self._server is not None:
             with contextlib.suppress(Exception):
                 self._server.shutdown()
@@ -72,8 +74,9 @@ class Publisher:
                 self._stop.wait(self.interval)
         except BaseException as e:  # the thread must say why it died, never vanish silently
             log.exception("frexporter recorder thread died; this rank's state is no longer published")
-            with contextlib.suppress(Exception):
-                self._write_snapshot({}, state="stopped", message=f"recorder thread died: {e!r}")
+            if self._stem:
+                with contextlib.suppress(Exception):
+                    self._write_snapshot({}, state="stopped", message=f"recorder thread died: {e!r}")
 
     def tick(self) -> None:
         try:
@@ -92,6 +95,9 @@ class Publisher:
                 self._write_manifest()
             status = fr.read_pg_status(self._recorders)
             self._write_snapshot(status)
+        except OSError as e:
+            # errno names are stable, bounded reasons: ENOSPC (disk full) reads better than OSError.
+            self._count_error(errno.errorcode.get(e.errno or 0, type(e).__name__).lower(), e)
         except Exception as e:
             self._count_error(type(e).__name__, e)
 

@@ -232,7 +232,7 @@ class RanksSource:
             path = self._socket_path(track)
             if path is None:
                 continue
-            if track.snapshot is not None and track.snapshot.state != "running":
+            if track.snapshot is not None and track.snapshot.state == "exiting":
                 continue
             stale = self._stale(track, now)
             if stale and track.ping_pending is None and track.deep_pending is None:
@@ -359,7 +359,7 @@ class RanksSource:
         m = track.manifest
         snap = track.snapshot
         stale = self._stale(track, now)
-        if snap is not None and snap.state != "running":
+        if snap is not None and snap.state == "exiting":
             status = RANK_EXITED
         elif not stale:
             status = RANK_OK

@@ -1,0 +1,119 @@
+"""The in-rank recorder: idempotent, never raises, never imports torch on its own, reports its own failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**ENV, **env})
+
+
+def test_install_is_idempotent_and_does_not_import_torch(tmp_path: Path) -> None:
+    out = python(
+        "import sys, time\n"
+        "from frexporter.recorder import install\n"
+        f"a = install({str(tmp_path)!r}); b = install(); c = install({str(tmp_path / 'other')!r})\n"
+        "time.sleep(0.3)\n"
+        "print(a is b is c, a.alive, 'torch' in sys.modules)\n",
+        FREXPORTER_SNAPSHOT_INTERVAL="0.05",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "False"]
+    assert (tmp_path.stat().st_mode & 0o777) == 0o700
+
+
+def test_install_into_an_unusable_directory_warns_and_returns_none(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = python(
+        "from frexporter.recorder import install\n"
+        f"print(install({str(blocker / 'spool')!r}))\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
+    assert "frexporter recorder disabled" in out.stderr
+
+
+def test_install_sets_flight_recorder_buffer_before_first_pg() -> None:
+    out = python(
+        "import os\nfrom frexporter.recorder import install\n"
+        "install('/tmp/frexporter-test-env')\n"
+        "print(os.environ['TORCH_FR_BUFFER_SIZE'], os.environ['TORCH_NCCL_TRACE_BUFFER_SIZE'])\n"
+    )
+    assert out.stdout.split() == ["2000", "2000"]
+    out = python(
+        "import os\nfrom frexporter.recorder import install\n"
+        "install('/tmp/frexporter-test-env')\nprint(os.environ['TORCH_FR_BUFFER_SIZE'])\n",
+        TORCH_FR_BUFFER_SIZE="50",
+    )
+    assert out.stdout.strip() == "50"  # the user's choice wins
+
+
+@pytest.mark.e2e
+def test_recorder_thread_death_is_reported_not_silent(tmp_path: Path) -> None:
+    code = (
+        "import os, time, json\n"
+        "from frexporter.recorder import install, fr\n"
+        f"pub = install({str(tmp_path)!r})\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "deadline = time.time() + 30\n"
+        "while pub._stem == '' and time.time() < deadline: time.sleep(0.02)\n"
+        "def boom(*a): raise SystemExit('simulated bug')\n"
+        "fr.read_pg_status = boom\n"
+        "while pub.alive and time.time() < deadline: time.sleep(0.02)\n"
+        "print(pub.alive)\n"
+        "os._exit(0)\n"
+    )
+    out = python(code, FREXPORTER_SNAPSHOT_INTERVAL="0.05")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+    assert "recorder thread died" in out.stderr
+    snap = json.loads(next(tmp_path.glob("*.snapshot.json")).read_text())
+    assert snap["state"] == "stopped" and "simulated bug" in snap["message"]
+
+
+@pytest.mark.e2e
+def test_disk_full_while_writing_snapshots_is_counted_and_training_continues(tmp_path: Path) -> None:
+    # A spool on a 64 KiB tmpfs would need mount rights; /dev/full gives ENOSPC on every write instead.
+    code = (
+        "import os, time, json, errno\n"
+        "from frexporter import spool\n"
+        "from frexporter.recorder import install\n"
+        f"pub = install({str(tmp_path)!r})\n"
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "deadline = time.time() + 30\n"
+        "while pub._counter < 3 and time.time() < deadline: time.sleep(0.02)\n"
+        "real = spool.write_json_atomic\n"
+        "def full(path, payload):\n"
+        "    with open('/dev/full', 'wb') as f: f.write(b'x' * 10); f.flush()\n"
+        "spool.write_json_atomic = full\n"
+        "t = torch.ones(4)\n"
+        "for _ in range(50): dist.all_reduce(t); time.sleep(0.01)\n"
+        "spool.write_json_atomic = real\n"
+        "while pub._counter < 10 and time.time() < deadline: time.sleep(0.02)\n"
+        "time.sleep(0.2)\n"
+        "print(json.dumps({'alive': pub.alive, 'errors': pub.errors, 'sum': t.sum().item()}))\n"
+        "os._exit(0)\n"
+    )
+    out = python(code, FREXPORTER_SNAPSHOT_INTERVAL="0.05")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["alive"] and result["sum"] == 4.0
+    assert result["errors"].get("enospc", 0) >= 1
+    assert out.stderr.count("enospc") == 1  # logged once, counted every time
+    snap = json.loads(next(tmp_path.glob("*.snapshot.json")).read_text())
+    assert snap["errors"]["enospc"] >= 1  # the exporter gets to see it once the disk has room again
