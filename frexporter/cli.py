@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve /metrics, /healthz, /api/v1/status and / for the ranks "
                                        "that publish to the spool directory.")
     serve.add_argument("--dir", default=None,
-                       help="spool directory the ranks publish to (default: $FREXPORTER_DIR or "
-                            f"{spool.default_dir()})")
+                       help="spool directory the ranks publish to (default: $FREXPORTER_DIR, else "
+                            "frexporter-$UID under the system temp dir)")
     serve.add_argument("--listen", type=parse_listen, default=parse_listen(DEFAULT_LISTEN),
                        metavar="HOST:PORT", help=f"address for HTTP (default {DEFAULT_LISTEN})")
     serve.add_argument("--poll-interval", type=_positive, default=DEFAULT_POLL_INTERVAL, metavar="SECONDS",

@@ -1,0 +1,168 @@
+"""Torch Flight Recorder dump files on disk -> RankState, for post-mortem verdicts.
+
+Dump files are untrusted input: a pickle can run code when loaded, so pickles go
+through ``SafeUnpickler``, which admits only plain containers and scalars (every
+global lookup is refused) and is bounded in size. JSON dumps are read with ``json``.
+One file per rank, named ``<any prefix><rank>`` as torch writes them
+(``TORCH_FR_DUMP_TEMP_FILE`` + rank); the rank is the trailing number.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from frexporter import frtrace
+from frexporter.model import RANK_OK, PGState, RankState
+from frexporter.sources.progress import translate
+from frexporter.spool import SpoolError
+
+MAX_DUMP_BYTES = 512 * 1024 * 1024
+_RANK_SUFFIX = re.compile(r"(\d+)(?:\.(?:json|pkl|pickle))?$")
+
+
+class DumpError(Exception):
+    """A dump file that cannot be used; the message says why, for the user."""
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Loads only what pickle can express without importing anything: dicts, lists, tuples, str, numbers."""
+
+    def find_class(self, module: str, name: str) -> object:
+        raise pickle.UnpicklingError(
+            f"refusing to load {module}.{name}: FR dumps contain only plain data, this file wants code"
+        )
+
+
+def safe_loads(data: bytes) -> object:
+    try:
+        return SafeUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError:
+        raise
+    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError,
+            RecursionError) as e:
+        raise pickle.UnpicklingError(f"corrupt pickle: {e}") from e
+
+
+def decode(data: bytes, what: str) -> object:
+    head = data.lstrip()[:1]
+    if head in (b"{", b"["):
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise DumpError(f"{what}: invalid JSON ({e})") from e
+    try:
+        return safe_loads(data)
+    except pickle.UnpicklingError as e:
+        raise DumpError(f"{what}: {e}") from e
+
+
+def rank_of(path: str) -> int | None:
+    match = _RANK_SUFFIX.search(os.path.basename(path))
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class RankDump:
+    rank: int
+    path: str
+    dump: frtrace.FrDump
+    mtime: float
+
+
+def load_file(path: str) -> RankDump:
+    rank = rank_of(path)
+    if rank is None:
+        raise DumpError(f"{path}: no rank number at the end of the file name (torch names dumps <prefix><rank>)")
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_DUMP_BYTES:
+            raise DumpError(f"{path}: {size} bytes is over the {MAX_DUMP_BYTES} byte limit")
+        with open(path, "rb") as f:
+            data = f.read()
+        mtime = os.path.getmtime(path)
+    except OSError as e:
+        raise DumpError(f"{path}: {e.strerror or e}") from e
+    obj = decode(data, path)
+    try:
+        dump = frtrace.parse_dump(obj, path)
+    except SpoolError as e:
+        raise DumpError(str(e)) from e
+    return RankDump(rank=rank, path=path, dump=dump, mtime=mtime)
+
+
+def load_dir(directory: str) -> tuple[list[RankDump], list[str]]:
+    """Every readable dump in a directory, plus one message per file that was skipped."""
+    dumps, problems = [], []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        raise DumpError(f"{directory}: {e.strerror or e}") from e
+    for name in names:
+        path = os.path.join(directory, name)
+        if name.startswith(".") or not os.path.isfile(path):
+            continue
+        try:
+            dumps.append(load_file(path))
+        except DumpError as e:
+            problems.append(str(e))
+    return dumps, problems
+
+
+def _members(dumps: Iterable[RankDump]) -> dict[str, tuple[int, ...]]:
+    """PG name -> member ranks: from a usable ``pg_config``, else from which ranks recorded the PG.
+
+    gloo's ``pg_config`` is broken in torch 2.8-2.13 (one ``''`` key), so the fallback matters.
+    """
+    members: dict[str, set[int]] = {}
+    for d in dumps:
+        for name, cfg in d.dump.pg_config.items():
+            if not name or not isinstance(cfg, dict):
+                continue
+            try:
+                ranks = json.loads(str(cfg.get("ranks", "[]")))
+            except ValueError:
+                continue
+            if isinstance(ranks, list) and ranks and all(isinstance(r, int) for r in ranks):
+                members.setdefault(str(name), set()).update(ranks)
+    seen: dict[str, set[int]] = {}
+    for d in dumps:
+        for entry in d.dump.entries:
+            seen.setdefault(entry.pg_name, set()).add(d.rank)
+    all_ranks = {d.rank for d in dumps}
+    for name, ranks in seen.items():
+        if name not in members:
+            members[name] = all_ranks if name == "0" else ranks  # WORLD is every rank
+    return {name: tuple(sorted(r)) for name, r in members.items()}
+
+
+def rank_states(dumps: list[RankDump], job_id: str = "dump") -> tuple[RankState, ...]:
+    members = _members(dumps)
+    states = []
+    for d in sorted(dumps, key=lambda d: d.rank):
+        pgs = []
+        for view in translate(d.dump).values():
+            if not view.name:
+                continue  # pg_status of a group whose entries all left the ring: no name to give it
+            pgs.append(PGState(
+                name=view.name, desc=view.desc, ranks=members.get(view.name, ()), backend="",
+                last_enqueued=view.enqueued, last_started=view.started, last_completed=view.completed,
+                inflight=view.inflight, inflight_count=max(0, view.enqueued - view.completed),
+                timeout_seconds=view.timeout_seconds, last_progress=None, exact=view.known, has_p2p=view.has_p2p,
+            ))
+        states.append(RankState(
+            job_id=job_id, rank=d.rank, local_rank=-1, world_size=len(dumps), hostname="", pid=0,
+            torch_version="", gpu_uuid="", status=RANK_OK, heartbeat=None, heartbeat_age=None, socket_alive=None,
+            pgs=tuple(sorted(pgs, key=lambda p: p.name)), message=d.path,
+        ))
+    return tuple(states)
+
+
+def dump_time(dumps: list[RankDump]) -> float:
+    """'Now' for a post-mortem: when the dumps were written (the newest file)."""
+    return max((d.mtime for d in dumps), default=0.0)
