@@ -75,6 +75,8 @@ class RankState:
     recorder_errors: Mapping[str, int] = field(default_factory=dict)
     message: str = ""
     last_deep_read: float | None = None
+    socket: str = ""  # worker-server socket file name in the spool directory ("" when off)
+    handlers: tuple[str, ...] = ()  # worker-server handlers this rank's torch offers
 
     @property
     def up(self) -> bool:

@@ -57,10 +57,10 @@ def idle(name: str, ranks: tuple[int, ...], seq: int, desc: str = "") -> PGState
 
 
 def rank(r: int, *pgs: PGState, status: str = RANK_OK, heartbeat_age: float = 1.0, job: str = "job",
-         socket_alive: bool | None = True) -> RankState:
+         socket_alive: bool | None = True, last_deep_read: float | None = None) -> RankState:
     return RankState(job_id=job, rank=r, local_rank=r % 4, world_size=8, hostname=f"node{r // 4}", pid=1000 + r,
                      torch_version="2.13.0", gpu_uuid=f"GPU-{r}", status=status, heartbeat=NOW - heartbeat_age,
-                     heartbeat_age=heartbeat_age, socket_alive=socket_alive, pgs=pgs)
+                     heartbeat_age=heartbeat_age, socket_alive=socket_alive, pgs=pgs, last_deep_read=last_deep_read)
 
 
 WORLD4 = (0, 1, 2, 3)
@@ -104,6 +104,19 @@ def test_p2p_carrying_pg_with_equal_collective_seqs_is_no_verdict() -> None:
     states = [rank(r, pg("pp", WORLD4, 7, 7, exact=r % 2 == 0, has_p2p=True)) for r in WORLD4]
     assert evaluate(states, NOW, NODE) == ()
     assert evaluate(states, NOW, WHOLE_JOB) == ()
+
+
+def test_p2p_pg_wait_counts_only_as_long_as_a_deep_read_proves_it() -> None:
+    # Inexact values come from the last deep read: an entry seen in flight 10s after it was created is not
+    # proof of a 95s wait, whatever the clock says now.
+    def states(deep_read_age: float) -> list[RankState]:
+        stale = pg("pp", WORLD4, 42, 41, (entry(42, 95.0),), exact=False, has_p2p=True)
+        return [rank(r, stale, last_deep_read=NOW - deep_read_age) for r in (0, 1, 2)] + [
+            rank(3, pg("pp", WORLD4, 41, 41, exact=False, has_p2p=True), last_deep_read=NOW - deep_read_age)]
+
+    assert evaluate(states(deep_read_age=85.0), NOW, NODE) == ()
+    v = only(evaluate(states(deep_read_age=1.0), NOW, NODE))
+    assert (v.kind, v.ranks, v.details["inexact_ranks"]) == (MISSING_RANK, (3,), [0, 1, 2, 3])
 
 
 def test_restart_with_small_seqs_is_no_verdict() -> None:
@@ -164,7 +177,7 @@ def test_node_view_does_not_blame_ranks_on_other_nodes() -> None:
     states = [rank(r, waiting("0", world8, 42, 95.0, desc="default_pg")) for r in WORLD4]
     v = only(evaluate(states, NOW, NODE))
     assert v.kind == STALLED
-    assert v.ranks == world8
+    assert v.ranks == WORLD4  # this node vouches for its own ranks only
     assert v.waiting_ranks == ()
     assert v.details["unobserved_ranks"] == [4, 5, 6, 7]
     assert v.summary == ("Ranks 0-3 of PG 'default_pg' (0) (all observed here) joined all_reduce #42 and none has "
@@ -342,6 +355,13 @@ def test_rank_unresponsive_after_stuck_after_only() -> None:
     assert only(evaluate(fresh, NOW, NODE)).kind == MISSING_RANK
     alone = [rank(3, idle(TP, WORLD4, 41), status=RANK_UNRESPONSIVE, heartbeat_age=75.0)]
     assert only(evaluate(alone, NOW, NODE)).pg == ""
+
+
+def test_ranks_wedged_inside_a_blocked_wait_are_victims_not_causes() -> None:
+    states = [rank(r, waiting(TP, WORLD4, 42, 95.0), status=RANK_UNRESPONSIVE, heartbeat_age=90.0) for r in (0, 1)]
+    states += [rank(2, waiting(TP, WORLD4, 42, 95.0)), rank(3, idle(TP, WORLD4, 41))]
+    v = only(evaluate(states, NOW, NODE))
+    assert (v.kind, v.ranks, v.waiting_ranks) == (MISSING_RANK, (3,), (0, 1, 2))
 
 
 def test_exited_rank_is_no_verdict_by_itself() -> None:

@@ -9,8 +9,10 @@ about one PG; which of them is a root cause is decided by ``graph``.
 
 Guards that keep healthy or restarting jobs silent:
 
-- a finding is ``stuck`` only when its oldest waiter has waited ``stuck_after``
-  seconds, measured from the in-flight entry's creation time. Without a start
+- a finding is ``stuck`` only when a waiter is known to have waited
+  ``stuck_after`` seconds, from the in-flight entry's creation time until the
+  read that last showed it in flight (this poll for exact values, the last deep
+  read for PGs whose p2p traffic hides the collective domain). Without a start
   time (no deep read yet, no metric) nothing is stuck: a rarely used PG with an
   old ``last_progress`` must not look hung the moment it is used again.
 - a PG whose ranks cannot all be in the same incarnation yields no finding: a
@@ -89,6 +91,13 @@ def condition(rank: RankState, now: float, stuck_after: float) -> str:
     return RANK_OK
 
 
+def can_wait(cond: str) -> bool:
+    """Whether a rank in flight counts as waiting there. A wedged rank does: a rank whose Python holds
+    the GIL inside a collective wait looks exactly like one wedged in its own code, and the graph tells
+    them apart (a wedged rank waiting in a blocked collective is a victim, one waiting nowhere a cause)."""
+    return cond in (RANK_OK, RANK_UNRESPONSIVE)
+
+
 def unique_ranks(ranks: Iterable[RankState]) -> dict[RankKey, RankState]:
     out: dict[RankKey, RankState] = {}
     for rank in ranks:
@@ -96,23 +105,55 @@ def unique_ranks(ranks: Iterable[RankState]) -> dict[RankKey, RankState]:
     return out
 
 
+class _MemberSets:
+    """Canonical sorted member tuples, one id each. A whole-job view repeats a WORLD of thousands of ranks
+    once per rank: normalize each distinct list once, and skip even hashing it when the very same tuple
+    object comes again (the input keeps it alive for the whole evaluation, so its id() is stable)."""
+
+    def __init__(self) -> None:
+        self._by_object: dict[int, int] = {}
+        self._by_value: dict[tuple[int, ...], int] = {}
+        self._by_canonical: dict[tuple[int, ...], int] = {}
+        self.canonical: list[tuple[int, ...]] = []
+
+    def id_of(self, ranks: tuple[int, ...]) -> int:
+        found = self._by_object.get(id(ranks))
+        if found is None:
+            found = self._by_value.get(ranks)
+            if found is None:
+                found = self._by_value[ranks] = self._canonical_id(tuple(sorted(set(ranks))))
+            self._by_object[id(ranks)] = found
+        return found
+
+    def _canonical_id(self, canonical: tuple[int, ...]) -> int:
+        if canonical not in self._by_canonical:
+            self._by_canonical[canonical] = len(self.canonical)
+            self.canonical.append(canonical)
+        return self._by_canonical[canonical]
+
+
 def _groups(ranks: Mapping[RankKey, RankState]) -> list[_Group]:
-    declared: dict[tuple[str, str], set[tuple[int, ...]]] = defaultdict(set)
+    sets = _MemberSets()
+    empty = sets.id_of(())
+    declared: dict[tuple[str, str], set[int]] = defaultdict(set)
     for rank in ranks.values():
         for pg in rank.pgs:
             if pg.ranks:
-                declared[(rank.job_id, pg.name)].add(tuple(sorted(set(pg.ranks))))
-    groups: dict[tuple[str, str, tuple[int, ...]], _Group] = {}
+                declared[(rank.job_id, pg.name)].add(sets.id_of(pg.ranks))
+    groups: dict[tuple[str, str, int], _Group] = {}
     for rank in ranks.values():
         for pg in rank.pgs:
-            members = tuple(sorted(set(pg.ranks)))
+            members = sets.id_of(pg.ranks)
             options = declared.get((rank.job_id, pg.name), set())
-            if not members and len(options) == 1:
+            if members == empty and len(options) == 1:
                 members = next(iter(options))  # a rank that lacks the PG table still reports the same group
-            group = groups.setdefault((rank.job_id, pg.name, members), _Group(rank.job_id, pg.name, members))
+            key = (rank.job_id, pg.name, members)
+            if key not in groups:
+                groups[key] = _Group(rank.job_id, pg.name, sets.canonical[members])
+            group = groups[key]
             group.states.setdefault(rank.rank, pg)
             group.desc = group.desc or pg.desc
-    return [groups[key] for key in sorted(groups)]
+    return sorted(groups.values(), key=lambda g: (g.job_id, g.name, g.declared))
 
 
 def _progress(pg: PGState | None) -> tuple[int, int]:
@@ -145,12 +186,25 @@ def _consistent(group: _Group, seq: int, ranks: Mapping[int, RankState], cond: M
     return True
 
 
-def _timing(group: _Group, waiting: tuple[int, ...], seq: int) -> tuple[float | None, float | None]:
-    """(since, timeout) of the oldest waiter."""
+def _proven_wait(pg: PGState, rank: RankState, entry: InflightCollective, now: float) -> float:
+    """How long the rank is known to have waited on ``entry``. Exact values are this poll's, so until now;
+    inexact ones (p2p traffic hid the collective domain) only until the deep read that showed the entry."""
+    seen_at = now if pg.exact or rank.last_deep_read is None else min(now, rank.last_deep_read)
+    return seen_at - entry.created
+
+
+def _timing(group: _Group, ranks: Mapping[int, RankState], waiting: tuple[int, ...], seq: int,
+            now: float) -> tuple[float | None, float | None, float | None]:
+    """(since, timeout) of the oldest waiter, and the longest wait the evidence proves (None: no entries)."""
     oldest: tuple[float, int] | None = None
+    proven: float | None = None
     for r in waiting:
         entry = _first_entry_from(group.states[r], seq)
-        if entry is not None and (oldest is None or (entry.created, r) < oldest):
+        if entry is None:
+            continue
+        wait = _proven_wait(group.states[r], ranks[r], entry, now)
+        proven = wait if proven is None else max(proven, wait)
+        if oldest is None or (entry.created, r) < oldest:
             oldest = (entry.created, r)
     order = list(waiting) if oldest is None else [oldest[1], *waiting]
     timeout = None
@@ -159,7 +213,7 @@ def _timing(group: _Group, waiting: tuple[int, ...], seq: int) -> tuple[float | 
         timeout = (entry.timeout_seconds if entry is not None else None) or group.states[r].timeout_seconds
         if timeout:
             break
-    return (None if oldest is None else oldest[0]), timeout or None
+    return (None if oldest is None else oldest[0]), timeout or None, proven
 
 
 def _op(entries: Mapping[int, tuple[InflightCollective, ...]], mismatch: Mismatch | None) -> str:
@@ -173,25 +227,28 @@ def _finding(group: _Group, ranks: Mapping[int, RankState], cond: Mapping[int, s
              config: FindingsConfig) -> Finding | None:
     members = group.members
     observed = {r: ranks[r] for r in members if r in ranks}
-    waiters = [r for r in observed if cond[r] == RANK_OK and _in_flight(group.states.get(r))]
-    if not waiters:
+    waiters = [r for r in observed if can_wait(cond[r]) and _in_flight(group.states.get(r))]
+    # Fresh ranks set the frontier; a wedged rank's snapshot may lag, so it only does when nobody else waits.
+    fresh = [r for r in waiters if cond[r] == RANK_OK] or waiters
+    if not fresh:
         return None
-    seq = min(_progress(group.states[r])[1] + 1 for r in waiters)
+    seq = min(_progress(group.states[r])[1] + 1 for r in fresh)
     if not _consistent(group, seq, observed, cond):
         return None
     joined = tuple(r for r in observed if r in group.states and _progress(group.states[r])[0] >= seq)
-    waiting = tuple(r for r in joined if cond[r] == RANK_OK)
-    missing = tuple(r for r in observed if r not in joined and cond[r] != RANK_DOWN)
+    waiting = tuple(r for r in joined if can_wait(cond[r]) and _progress(group.states[r])[1] < seq)
+    joined_set = set(joined)
+    missing = tuple(r for r in observed if r not in joined_set and cond[r] != RANK_DOWN)
     down = tuple(r for r in observed if cond[r] == RANK_DOWN)
     unobserved = tuple(r for r in members if r not in observed)
     blockers = tuple(sorted(set(missing) | set(down) | (set(unobserved) if config.complete_view else set())))
     entries = {r: _entries_at(group.states.get(r), seq) for r in joined}
     mismatch = find_mismatch(entries, len(group.declared) or None)
-    since, timeout = _timing(group, waiting, seq)
+    since, timeout, proven = _timing(group, observed, waiting, seq, now)
     return Finding(
         job_id=group.job_id, pg=group.name, pg_desc=group.desc, members=members, seq=seq,
         op=_op(entries, mismatch), since=since, timeout_seconds=timeout,
-        stuck=since is not None and now - since >= config.stuck_after,
+        stuck=proven is not None and proven >= config.stuck_after,
         waiting=waiting, missing=missing, down=down, unobserved=unobserved, blockers=blockers, mismatch=mismatch,
         inexact=tuple(r for r in observed if r in group.states and not group.states[r].exact),
     )

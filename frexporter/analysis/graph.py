@@ -4,8 +4,9 @@ A bipartite wait-for graph: a live rank points to each finding it waits in
 (only where that finding blocks: it has blockers, or it is stuck with everyone
 joined), and a finding points to each of its blockers. Root causes are:
 
-- a rank with no way out that someone waits for (it never joined and is not
-  itself waiting on anybody, or its process is down or wedged);
+- a rank with no way out that someone waits for: it never joined (or its
+  process is down) and it waits on nobody itself. A wedged rank that waits in a
+  blocked collective is a link, not an end: its Python is stuck in that wait;
 - a finding with no way out (all joined and stuck: ``stalled``), or the
   mismatch node hanging off a finding (its ranks joined different collectives);
 - a cycle: ranks waiting in collectives each other never joined (a desync in
@@ -70,7 +71,7 @@ class WaitGraph:
 
 
 def build(findings: Sequence[Finding], live: Mapping[tuple[str, int], bool]) -> WaitGraph:
-    """``live``: whether a rank can be waiting at all (down or wedged ranks are ends, never links)."""
+    """``live``: whether a rank can be waiting at all (down and exited ranks are ends, never links)."""
     graph = WaitGraph()
     for i, f in enumerate(findings):
         node = Node(PG, f.job_id, i)
@@ -191,7 +192,10 @@ class _Resolver:
                 around.add(Node(PG, node.job_id, node.key))
                 out.append(self._cause(MISMATCH, node.job_id, f.mismatch.culprits, node.key, around))
             else:
-                out.append(self._cause(PG, node.job_id, f.members, node.key, around))
+                # Unobserved members are only blockers in a complete view; in a node view each node names its
+                # own ranks, which also keeps one node from exporting a verdict series per rank of the job.
+                seen = [r for r in f.members if r not in f.unobserved]
+                out.append(self._cause(PG, node.job_id, seen, node.key, around))
         return out
 
     def cycle_causes(self) -> list[Cause]:

@@ -83,10 +83,10 @@ def self_problem(entry: InflightCollective, group_size: int | None) -> tuple[str
         return f"output sizes equal to input sizes {_sizes_text(ins)}", f"output sizes {_sizes_text(outs)}"
     both = _has_data(ins) and _has_data(outs)
     if group_size and both and op in _ALL_GATHER and _numel(outs) != _numel(ins) * group_size:
-        return (f"output numel {_numel(ins) * group_size} (input numel {_numel(ins)} x {group_size} ranks)",
+        return (f"output numel {_numel(ins) * group_size} = input numel {_numel(ins)} x {group_size} ranks",
                 f"output numel {_numel(outs)}")
     if group_size and both and op in _REDUCE_SCATTER and _numel(ins) != _numel(outs) * group_size:
-        return (f"input numel {_numel(outs) * group_size} (output numel {_numel(outs)} x {group_size} ranks)",
+        return (f"input numel {_numel(outs) * group_size} = output numel {_numel(outs)} x {group_size} ranks",
                 f"input numel {_numel(ins)}")
     if op not in _SKIP_SELF_DTYPES and both and set(entry.input_dtypes) != set(entry.output_dtypes):
         return (f"output dtypes equal to input dtypes {_dtypes_text(entry.input_dtypes)}",

@@ -36,6 +36,10 @@ def who(ranks: Iterable[int], capital: bool = True) -> str:
     return f"{word if capital else word.lower()} {rank_list(values)}"
 
 
+def agree(ranks: Iterable[int], singular: str, plural: str) -> str:
+    return singular if len(set(ranks)) == 1 else plural
+
+
 def short_name(name: str) -> str:
     return name if len(name) <= 8 else name[:4] + "…"
 
@@ -50,14 +54,16 @@ def collective(op: str, seq: int) -> str:
     return f"{op or 'collective'} #{seq}"
 
 
-def waited(ranks: Iterable[int], age: float | None) -> str:
+def waited(ranks: Iterable[int], age: float | None, empty_subject: str | None = None) -> str:
+    """'ranks 0,1 have waited 95s'; with no ranks, ``empty_subject`` (e.g. "they") waits instead."""
     values = sorted(set(ranks))
-    if not values:
+    if not values and empty_subject is None:
         return "nobody waits yet"
-    verb = "has" if len(values) == 1 else "have"
+    subject = who(values, capital=False) if values else empty_subject
+    single = len(values) == 1
     if age is None:
-        return f"{who(values, capital=False)} {'is' if len(values) == 1 else 'are'} waiting"
-    return f"{who(values, capital=False)} {verb} waited {seconds(age)}"
+        return f"{subject} {'is' if single else 'are'} waiting"
+    return f"{subject} {'has' if single else 'have'} waited {seconds(age)}"
 
 
 def budget(age: float | None, timeout: float | None) -> str:

@@ -5,9 +5,10 @@ returns ``Verdict`` objects in a deterministic order:
 
 - one node's snapshot (``complete_view=False``): PG members on other nodes are
   simply not seen and never blamed. When every observed member joined and the
-  collective is stuck, the verdict is ``stalled`` with the unseen members in
-  ``details["unobserved_ranks"]``: from one node a missing rank elsewhere and a
-  stalled network look the same, so the cross-node view must decide.
+  collective is stuck, the verdict is ``stalled`` naming this node's ranks, with
+  the unseen members in ``details["unobserved_ranks"]``: from one node a missing
+  rank elsewhere and a stalled network look the same, so the cross-node view
+  (Prometheus rules, ``analyze --prometheus``) must decide.
 - a whole job rebuilt from Prometheus series, or FR dump files
   (``complete_view=True``): a member with no state at all is as good as one that
   never joined, so it is blamed (``details["unobserved_ranks"]`` says it had no data).
@@ -29,6 +30,7 @@ from frexporter.analysis.findings import (
     Finding,
     FindingsConfig,
     RankKey,
+    can_wait,
     condition,
     find_all,
     unique_ranks,
@@ -216,10 +218,9 @@ class _Builder:
     def where(self) -> str:
         return f"{text.collective(self.f.op, self.f.seq)} on {text.pg_text(self.f.pg, self.f.pg_desc)}"
 
-    def tail(self, waiting: Sequence[int] | None = None) -> str:
+    def tail(self, empty_subject: str | None = None) -> str:
         """'ranks 0,1 have waited 95s (also blocking ...), 505s left before the 600s watchdog timeout'"""
-        ranks = self.cause.waiting if waiting is None else waiting
-        return (f"{text.waited(ranks, self.age)}{text.also_blocking(self.blocked)}, "
+        return (f"{text.waited(self.cause.waiting, self.age, empty_subject)}{text.also_blocking(self.blocked)}, "
                 f"{text.budget(self.age, self.timeout)}")
 
     def missing_rank(self) -> Verdict:
@@ -231,37 +232,39 @@ class _Builder:
         return self.make(MISSING_RANK, summary, {"hosts": hosts})
 
     def stalled(self) -> Verdict:
-        f, age = self.f, self.age
-        how_long = f" for {text.seconds(age)}" if age is not None else ""
-        budget = text.budget(age, self.timeout)
-        blocked = text.also_blocking(self.blocked)
+        f = self.f
+        head = f"joined {text.collective(f.op, f.seq)} and none has completed it"
+        if not self.cause.waiting and self.age is not None:
+            head += f" for {text.seconds(self.age)}"  # no upstream: the age is this collective's own
+        tail = f"{self.tail()}." if self.cause.waiting else f"{text.budget(self.age, self.timeout)}."
         if f.unobserved and not set(f.unobserved) & set(f.blockers):
             seen = [r for r in f.members if r not in f.unobserved]
-            summary = (f"{text.who(seen)} of {text.pg_text(f.pg, f.pg_desc)} (all observed here) joined "
-                       f"{text.collective(f.op, f.seq)} and none has completed it{how_long}{blocked}; "
-                       f"{text.who(f.unobserved, capital=False)} are not observed here: check them in the "
-                       f"cross-node view; {budget}.")
+            summary = (f"{text.who(seen)} of {text.pg_text(f.pg, f.pg_desc)} "
+                       f"({text.agree(seen, 'the only one', 'all')} observed here) {head}; "
+                       f"{text.who(f.unobserved, capital=False)} {text.agree(f.unobserved, 'is', 'are')} not "
+                       f"observed here: check {text.agree(f.unobserved, 'it', 'them')} in the cross-node view; {tail}")
         else:
-            summary = (f"All {len(f.members)} ranks of {text.pg_text(f.pg, f.pg_desc)} joined "
-                       f"{text.collective(f.op, f.seq)} and none has completed it{how_long}{blocked}: suspect "
-                       f"the network or a GPU of {text.who(f.members, capital=False)}; {budget}.")
+            summary = (f"All {len(f.members)} ranks of {text.pg_text(f.pg, f.pg_desc)} {head}: suspect the network "
+                       f"or a GPU of {text.who(f.members, capital=False)}; {tail}")
         return self.make(STALLED, summary, {})
 
     def mismatch(self) -> Verdict:
         m = self.f.mismatch
         assert m is not None
-        culprits, majority = text.who(m.culprits), text.who(m.majority, capital=False)
+        culprits = text.who(m.culprits)
+        majority = text.who(m.majority, capital=False) if m.majority else "the other ranks"
         if m.what == "op":
             head = f"{culprits} called {text.collective(m.found_op, self.f.seq)} on " \
                    f"{text.pg_text(self.f.pg, self.f.pg_desc)} where {majority} called {m.op}"
         elif m.what == "syntax":
             head = f"{culprits} joined a malformed {text.collective(m.found_op, self.f.seq)} on " \
-                   f"{text.pg_text(self.f.pg, self.f.pg_desc)} ({m.found}, expected {m.expected})"
+                   f"{text.pg_text(self.f.pg, self.f.pg_desc)}: {m.found}, expected {m.expected}"
         else:
-            head = f"{culprits} joined {self.where} with {m.what} {m.found} where {majority} have {m.expected}"
+            have = text.agree(m.majority, "has", "have") if m.majority else "have"
+            head = f"{culprits} joined {self.where} with {m.what} {m.found} where {majority} {have} {m.expected}"
         evidence = {"what": m.what, "expected": m.expected, "found": m.found, "majority_ranks": list(m.majority),
                     "entries": _entry_evidence(self.f, self.ctx, [*m.culprits, *m.majority[:1]])}
-        return self.make(MISMATCH_KIND, f"{head}; {self.tail()}.", {"mismatch": evidence})
+        return self.make(MISMATCH_KIND, f"{head}; {self.tail(empty_subject='they')}.", {"mismatch": evidence})
 
     def rank_gone(self, kind: str) -> Verdict:
         r = self.cause.culprits[0]
@@ -282,11 +285,11 @@ class _Builder:
                              f"{text.pg_text(f.pg, f.pg_desc)} for {text.who(missing, capital=False)}")
         edges = [{"pg": f.pg, "pg_desc": f.pg_desc, "seq": f.seq, "op": f.op, "waiting": list(f.waiting),
                   "missing": list(f.blockers)} for f in cycle]
-        waiting = text.waited(self.cause.waiting, self.age) if self.cause.waiting else "they wait"
-        summary = (f"{text.who(self.cause.culprits)} deadlock, each waiting in a collective another never joined "
-                   f"({'; '.join(parts)}): they issued collectives in different orders; {waiting}"
+        summary = (f"{text.who(in_cycle)} deadlock, each waiting in a collective another never joined "
+                   f"({'; '.join(parts)}): they issued collectives in different orders; "
+                   f"{text.waited(set(self.cause.waiting) - in_cycle, self.age, 'they')}"
                    f"{text.also_blocking(self.blocked)}, {text.budget(self.age, self.timeout)}.")
-        return self.make(MISSING_RANK, summary, {"deadlock": edges})
+        return self.make(MISSING_RANK, summary, {"deadlock": edges, "cycle_ranks": sorted(in_cycle)})
 
 
 def _gone_text(kind: str, rank: int, state: RankState | None, now: float) -> str:
@@ -336,12 +339,14 @@ def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | Non
     states = unique_ranks(ranks)
     conditions = {key: condition(rank, now, config.stuck_after) for key, rank in states.items()}
     findings = find_all(states, conditions, now, FindingsConfig(config.stuck_after, config.complete_view))
-    graph = build(findings, {key: c == RANK_OK for key, c in conditions.items()})
+    graph = build(findings, {key: can_wait(c) for key, c in conditions.items()})
     gone = {key for key, c in conditions.items() if c in _GONE_KINDS}
     ctx = _Context(findings, states, conditions, now)
     verdicts = [v for cause in resolve(graph, findings, gone) if (v := _phrase(cause, ctx)) is not None]
-    attached = {(v.job_id, v.ranks[0]) for v in verdicts if v.kind in (RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND)}
-    verdicts += [_lone_rank(_GONE_KINDS[conditions[key]], states[key], now) for key in sorted(gone - attached)]
+    # A down or wedged rank nobody waits for is still a verdict, unless it is itself waiting in a blocked
+    # collective (wedged while waiting: a victim, already counted among the waiting ranks of the root).
+    linked = {(n.job_id, n.key) for n in graph.succ if n.kind == RANK}
+    verdicts += [_lone_rank(_GONE_KINDS[conditions[key]], states[key], now) for key in sorted(gone - linked)]
     return tuple(sorted(verdicts, key=verdict_sort_key))
 
 

@@ -403,6 +403,8 @@ class RanksSource:
             recorder_errors=dict(snap.errors) if snap is not None else {},
             message=snap.message if snap is not None else "",
             last_deep_read=track.deep_time,
+            socket=m.socket,
+            handlers=m.handlers,
         )
 
     def _pg_states(self, track: _RankTrack, raw: dict[str, dict[int, RawPGStatus]], now: float

@@ -111,6 +111,46 @@ elif scenario == "kill":
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGKILL)
     idle()
+elif scenario == "pair_skip":
+    # The demo's cascade. Each step: compute, all_reduce on WORLD, then on this rank's pair PG ({0,1} or
+    # {2,3}). Once the test touches "skip", rank 3 leaves out its pair all_reduce: rank 2 blocks in the
+    # pair PG, rank 3 in the next WORLD all_reduce, and ranks 0 and 1 there behind rank 2.
+    import threading
+
+    # The ranks end blocked in a collective, deaf to "stop" on the main thread; this lets Job.stop()
+    # end them at once instead of after its SIGKILL grace.
+    threading.Thread(target=lambda: (idle(), os._exit(0)), daemon=True).start()
+    pairs = [dist.new_group([0, 1], group_desc="pair01"), dist.new_group([2, 3], group_desc="pair23")]
+    pair = pairs[rank // 2]
+    step_seconds = float(os.environ.get("JOB_STEP_SECONDS", "0.2"))
+    first = True
+    while True:
+        # The compute comes before the WORLD op so that a rank skipping its pair op enters the next WORLD
+        # op a step's compute after the peer it left waiting: the order that tells root from victim.
+        time.sleep(step_seconds)
+        dist.all_reduce(t)
+        if rank == 3 and os.path.exists(os.path.join(control, "skip")):
+            ready("skipped")  # its mtime is when the desync began
+        else:
+            dist.all_reduce(t, group=pair)
+        if first:
+            ready()
+            first = False
+elif scenario == "slow_rank0":
+    # A healthy but skewed job: before every all_reduce rank 0 works JOB_SLOW_SECONDS (evaluation, a
+    # checkpoint) while the others already wait in the collective.
+    import threading
+
+    threading.Thread(target=lambda: (idle(), os._exit(0)), daemon=True).start()
+    slow_seconds = float(os.environ.get("JOB_SLOW_SECONDS", "1.5"))
+    first = True
+    while True:
+        if rank == 0:
+            time.sleep(slow_seconds)
+        dist.all_reduce(t)
+        if first:
+            ready()
+            first = False
 else:
     raise SystemExit(f"unknown scenario {scenario}")
 

@@ -1,0 +1,167 @@
+"""The shipped alert rules end to end: real gloo jobs, a real exporter, real Prometheus and Alertmanager.
+
+Every test runs its own job (its own job_id) and its own exporter on the port the session's Prometheus
+scrapes, and judges only the alerts that carry its job_id. Timings are the shipped ones scaled by
+tests.promstack.SCALE.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from frexporter.rules import load_rules, parse_duration
+from tests.harness import Job, wait_for
+from tests.promstack import SCALE, Notification, PromStack
+
+pytestmark = pytest.mark.e2e
+
+DESYNC = "FrexporterCollectiveDesync"
+RANK_DOWN = "FrexporterRankDown"
+JOB_TIMEOUT_S = 60.0  # gloo's own timeout in the desync job: the page must come well before it
+POLL_S = 0.2
+
+
+def _desync_timing() -> tuple[float, float]:
+    """The scaled FrexporterCollectiveDesync threshold and "for", as Prometheus evaluates them."""
+    rule = next(r for g in load_rules(SCALE)["groups"] for r in g["rules"] if r.get("alert") == DESYNC)
+    threshold = re.search(r">= ([\d.]+)\s+# @scale", rule["expr"])
+    assert threshold is not None, rule["expr"]
+    return float(threshold[1]), parse_duration(rule["for"])
+
+
+def _start_exporter(promstack: PromStack, exporter_factory: Callable[..., Any], job: Job) -> None:
+    threshold, _ = _desync_timing()
+    since = time.time()
+    # stuck_after at the rules' threshold, so the exporter's own verdict (quoted in the alert's
+    # description) is there when the alert fires.
+    exporter_factory(job.spool, port=promstack.exporter_port, stuck_after=threshold)
+    promstack.wait_target_up(since)
+
+    def all_up() -> bool:
+        return len(promstack.query(f'frexporter_rank_up{{job_id="{job.job_id}"}} == 1')) == job.world
+
+    wait_for(all_up, timeout=15, interval=POLL_S, what=f"Prometheus sees every rank of {job.job_id} up")
+
+
+def _firing(promstack: PromStack, alertname: str, job_id: str) -> list[Notification]:
+    return [n for n in promstack.webhook.notifications(alertname=alertname, job_id=job_id) if n.status == "firing"]
+
+
+def _hold(check: Callable[[], None], seconds: float) -> None:
+    """Run ``check`` (which asserts) repeatedly for ``seconds``: a deadline, not a sleep."""
+    deadline = time.monotonic() + seconds
+    while True:
+        check()
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(POLL_S)
+
+
+def _report(capsys: pytest.CaptureFixture[str], line: str) -> None:
+    with capsys.disabled():
+        print(f"\n[e2e] {line}")
+
+
+def test_skipped_subgroup_collective_pages_only_the_root_rank(
+    promstack: PromStack, job_factory: Callable[..., Job], exporter_factory: Callable[..., Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    job_id = "e2e-pair-skip"
+    job = job_factory("pair_skip", 4, job_id=job_id,
+                      env={"JOB_TIMEOUT": f"{JOB_TIMEOUT_S:g}", "JOB_STEP_SECONDS": "0.2"})
+    job.wait_ready()
+    _start_exporter(promstack, exporter_factory, job)
+    job.touch("skip")
+    job.wait_ready("skipped", ranks=[3], timeout=10)
+    skipped_at = job.marker(3, "skipped").stat().st_mtime
+
+    firing = wait_for(lambda: _firing(promstack, DESYNC, job_id), timeout=JOB_TIMEOUT_S / 2, interval=0.05,
+                      what=f"{DESYNC} for {job_id} at the webhook")
+    latency = firing[0].received - skipped_at
+    assert all(proc.poll() is None for proc in job.procs), "a rank exited before the page: gloo timed out?"
+    assert latency < JOB_TIMEOUT_S
+    root = firing[0].labels
+    assert (root["rank"], root["pg_desc"]) == ("3", "pair23"), root
+    assert root["severity"] == "warning"
+    assert "Rank 3 of job e2e-pair-skip" in firing[0].annotations["summary"]
+
+    # Rank 2 lags in WORLD a step's compute after rank 3 lags in the pair PG, so had the rules blamed it,
+    # it would have gone pending by now and fire within one "for" and a notification round trip more.
+    threshold, hold_for = _desync_timing()
+
+    def only_rank_3() -> None:
+        noted = {(n.labels["rank"], n.labels["pg_desc"]) for n in promstack.webhook.notifications(job_id=job_id)}
+        assert noted <= {("3", "pair23")}, noted
+        active = {(a["labels"]["rank"], a["labels"]["pg_desc"], a["state"])
+                  for a in promstack.alerts(alertname=DESYNC, job_id=job_id)}
+        assert {(rank, pg) for rank, pg, _ in active} <= {("3", "pair23")}, active
+
+    _hold(only_rank_3, hold_for + 4.0)
+    # Anything that came and went between two polls, pending included.
+    window = int(time.time() - skipped_at) + 2
+    others = promstack.query(f'max_over_time(ALERTS{{job_id="{job_id}",rank!="3"}}[{window}s])')
+    assert others == [], others
+    _report(capsys, f"{DESYNC} rank 3 (pair23): webhook {latency:.2f}s after the skip "
+                    f"(threshold {threshold:g}s, for {hold_for:g}s, gloo timeout {JOB_TIMEOUT_S:g}s)")
+
+
+def test_legitimately_slow_rank0_does_not_page(
+    promstack: PromStack, job_factory: Callable[..., Job], exporter_factory: Callable[..., Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    job_id = "e2e-slow-rank0"
+    threshold, hold_for = _desync_timing()
+    slow = threshold / 2  # below the threshold by more than a poll, a scrape and an evaluation
+    job = job_factory("slow_rank0", 3, job_id=job_id, env={"JOB_SLOW_SECONDS": f"{slow:g}"})
+    job.wait_ready()
+    _start_exporter(promstack, exporter_factory, job)
+    age = f'max(time() - frexporter_pg_oldest_inflight_start_timestamp_seconds{{job_id="{job_id}"}})'
+    # The quiet window proves nothing unless Prometheus really sees ranks 1 and 2 waiting on rank 0.
+    wait_for(lambda: promstack.query(f"{age} >= {slow / 3:g}"), timeout=15, interval=POLL_S,
+             what="Prometheus sees the others waiting on rank 0")
+    seq = f'max(frexporter_pg_last_completed_seq{{job_id="{job_id}",pg_desc="default_pg"}})'
+    seq_before = float(promstack.query(seq)[0]["value"][1])
+    started = time.time()
+
+    def quiet() -> None:
+        assert promstack.webhook.notifications(job_id=job_id) == []
+        firing = [a for a in promstack.alerts(job_id=job_id) if a["state"] == "firing"]
+        assert firing == [], firing
+
+    window = 2 * (threshold + hold_for) + 1.0
+    _hold(quiet, window)
+    span = int(time.time() - started) + 1
+    assert promstack.query(f'max_over_time(ALERTS{{job_id="{job_id}",alertstate="firing"}}[{span}s])') == []
+    longest = float(promstack.query(f"max_over_time(({age})[{span}s:])")[0]["value"][1])
+    steps = float(promstack.query(seq)[0]["value"][1]) - seq_before
+    # Healthy: it kept stepping at rank 0's pace through the window, while the others waited each time.
+    assert steps >= window / slow / 2, steps
+    _report(capsys, f"slow rank 0 ({slow:g}s per step, {steps:.0f} steps): no alert in {window:g}s; "
+                    f"longest wait Prometheus saw {longest:.2f}s (threshold {threshold:g}s)")
+
+
+def test_sigkilled_rank_pages_rank_down(
+    promstack: PromStack, job_factory: Callable[..., Job], exporter_factory: Callable[..., Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    job_id = "e2e-kill"
+    job = job_factory("kill", 2, job_id=job_id)
+    job.wait_ready()
+    _start_exporter(promstack, exporter_factory, job)
+    job.touch("kill")
+    wait_for(lambda: job.procs[1].poll() is not None, timeout=10, what="rank 1 killed")
+    killed_at = time.time()
+
+    firing = wait_for(lambda: _firing(promstack, RANK_DOWN, job_id), timeout=30, interval=0.05,
+                      what=f"{RANK_DOWN} for {job_id} at the webhook")
+    latency = firing[0].received - killed_at
+    assert {n.labels["rank"] for n in firing} == {"1"}
+    assert firing[0].labels["severity"] == "critical"
+    hold_for = parse_duration(next(r for g in load_rules(SCALE)["groups"] for r in g["rules"]
+                                   if r.get("alert") == RANK_DOWN)["for"])
+    _report(capsys, f"{RANK_DOWN} rank 1: webhook {latency:.2f}s after SIGKILL (for {hold_for:g}s)")

@@ -1,0 +1,419 @@
+"""The Grafana dashboards in grafana/: committed JSON equals what grafana/generate.py
+builds, the JSON loads into the Grafana 11.6 schema (grafana-foundation-sdk), every
+query is PromQL that promtool parses, and every series a query reads is one that
+frexporter exports, one of its recording rules, or Prometheus' own."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from frexporter import naming
+from frexporter.rules import load_rules
+
+REQUIRE_TOOLS = os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1"
+try:
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.cog.plugins import register_default_plugins
+    from grafana_foundation_sdk.models import dashboard as mdash
+    from grafana_foundation_sdk.models import prometheus as mprom
+
+    from grafana import generate
+except ImportError as error:  # the SDK is dev tooling: pip install 'grafana-foundation-sdk==1769699379!11.6.0'
+    if REQUIRE_TOOLS:
+        raise
+    pytest.skip(f"grafana-foundation-sdk is not installed ({error})", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[1]
+GRAFANA = REPO / "grafana"
+PROMTOOL_TIMEOUT_S = 120
+SCHEMA_VERSION = mdash.Dashboard().schema_version  # what the pinned SDK (Grafana 11.6) emits
+
+
+def _load(uid: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((GRAFANA / generate.DASHBOARD_FILES[uid]).read_text(encoding="utf-8"))
+    return data
+
+
+def _committed() -> Iterator[tuple[str, dict[str, Any]]]:
+    for uid in generate.DASHBOARD_FILES:
+        yield uid, _load(uid)
+
+
+def _panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def _strings(value: object) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+# --- drift ---------------------------------------------------------------------
+
+
+def test_committed_json_is_what_the_generator_writes() -> None:
+    problems = generate.check()
+    assert not problems, "\n".join(problems) + "\nrun: python grafana/generate.py"
+
+
+def test_generation_is_deterministic() -> None:
+    first = {uid: generate.render(d) for uid, d in generate.build_dashboards().items()}
+    second = {uid: generate.render(d) for uid, d in generate.build_dashboards().items()}
+    assert first == second
+    for text in first.values():
+        assert text.endswith("}\n") and not text.endswith("\n\n")
+        assert json.dumps(json.loads(text), sort_keys=True, indent=2, ensure_ascii=False) + "\n" == text
+
+
+def test_check_reports_drift_missing_and_stale_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert generate.main(["--out", str(tmp_path)]) == 0
+    assert generate.main(["--check", "--out", str(tmp_path)]) == 0
+
+    job = tmp_path / generate.DASHBOARD_FILES[generate.UID_JOB]
+    job.write_text(job.read_text(encoding="utf-8").replace('"frexporter / Job"', '"edited by hand"'), encoding="utf-8")
+    (tmp_path / generate.DASHBOARD_FILES[generate.UID_RANK]).unlink()
+    (tmp_path / "frexporter-old.json").write_text("{}\n", encoding="utf-8")
+    capsys.readouterr()
+
+    assert generate.main(["--check", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{job}: differs from the generator" in err
+    assert '-  "title": "edited by hand",' in err and '+  "title": "frexporter / Job",' in err
+    assert "frexporter-rank.json: missing" in err
+    assert "frexporter-old.json: stale" in err
+    assert "run `python grafana/generate.py`" in err
+
+    # Regenerating repairs the generated files and leaves foreign ones alone.
+    assert generate.main(["--out", str(tmp_path)]) == 0
+    (tmp_path / "frexporter-old.json").unlink()
+    assert generate.main(["--check", "--out", str(tmp_path)]) == 0
+
+
+def test_script_runs_from_a_checkout_without_installing_frexporter() -> None:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, str(GRAFANA / "generate.py"), "--check"],
+        cwd=REPO.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- Grafana schema ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("uid", list(generate.DASHBOARD_FILES))
+def test_json_round_trips_through_the_grafana_11_6_schema(uid: str) -> None:
+    register_default_plugins()
+    data = _load(uid)
+    model = mdash.Dashboard.from_json(data)
+    assert json.loads(json.dumps(model, cls=JSONEncoder)) == data
+    panels = [p for p in model.panels or [] if isinstance(p, mdash.Panel)]
+    assert panels
+    for panel in panels:
+        assert panel.targets, panel.title
+        # Registered plugins decode targets into typed Prometheus queries, not opaque dicts.
+        assert all(isinstance(target, mprom.Dataquery) for target in panel.targets), panel.title
+
+
+@pytest.mark.parametrize("uid", list(generate.DASHBOARD_FILES))
+def test_dashboard_identity(uid: str) -> None:
+    dashboard = _load(uid)
+    assert dashboard["uid"] == uid
+    assert dashboard["title"].startswith("frexporter / ")
+    assert dashboard["tags"] == ["frexporter"]
+    assert dashboard["schemaVersion"] == SCHEMA_VERSION == 41
+    assert "id" not in dashboard  # an id would make imports overwrite an unrelated dashboard
+    assert dashboard["description"]
+    titles = [d["title"] for _, d in _committed()]
+    assert len(set(titles)) == len(titles)
+
+
+@pytest.mark.parametrize(
+    ("uid", "names"),
+    [
+        ("frexporter-job", ["datasource", "job_id"]),
+        ("frexporter-pg", ["datasource", "job_id", "pg"]),
+        ("frexporter-rank", ["datasource", "job_id", "rank"]),
+    ],
+)
+def test_variables(uid: str, names: list[str]) -> None:
+    variables = _load(uid)["templating"]["list"]
+    assert [v["name"] for v in variables] == names
+    datasource, *queries = variables
+    assert datasource["type"] == "datasource" and datasource["query"] == "prometheus"
+    for variable in queries:
+        assert variable["type"] == "query"
+        assert variable["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert re.fullmatch(rf"label_values\(frexporter_\w+(\{{.*\}})?, {variable['name']}\)", variable["query"])
+        assert variable["refresh"] == 2  # on time range change: jobs come and go
+
+
+@pytest.mark.parametrize("uid", list(generate.DASHBOARD_FILES))
+def test_panels_use_the_datasource_variable_and_do_not_overlap(uid: str) -> None:
+    dashboard = _load(uid)
+    ids = [panel["id"] for panel in _panels(dashboard)]
+    assert len(set(ids)) == len(ids) and 0 not in ids
+    # (dashboard uid, panel title) names a panel in all_panel_queries() and in promtool's errors.
+    titles = [panel["title"] for panel in _panels(dashboard)]
+    assert len(set(titles)) == len(titles), sorted(t for t in titles if titles.count(t) > 1)
+    cells: dict[tuple[int, int], str] = {}
+    for panel in _panels(dashboard):
+        pos = panel["gridPos"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, panel["title"]
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                assert (x, y) not in cells, f"{panel['title']!r} overlaps {cells[(x, y)]!r}"
+                cells[(x, y)] = panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["title"] and panel["description"], panel
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        for target in panel["targets"]:
+            assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert target["expr"].strip()
+        ref_ids = [target["refId"] for target in panel["targets"]]
+        assert len(set(ref_ids)) == len(ref_ids), panel["title"]
+
+
+_GROUPING = re.compile(r"^(?:clamp_min\()?max by \(([^()]*)\)")
+
+
+@pytest.mark.parametrize("uid", list(generate.DASHBOARD_FILES))
+def test_merged_tables_reduce_every_query_to_the_same_labels(uid: str) -> None:
+    # Grafana's merge joins rows on equal label columns; a stray __name__ or
+    # job_id column in one query would split each process group over several rows.
+    for panel in _panels(_load(uid)):
+        if not any(t["id"] == "merge" for t in panel.get("transformations", [])):
+            continue
+        groupings = set()
+        for target in panel["targets"]:
+            match = _GROUPING.match(target["expr"])
+            assert match, f"{panel['title']} {target['refId']}: not a max by (...): {target['expr']}"
+            assert target["format"] == "table" and target["instant"], panel["title"]
+            groupings.add(match[1])
+        assert len(groupings) == 1, f"{panel['title']}: {groupings}"
+
+
+def _link_targets(dashboard: dict[str, Any]) -> set[str]:
+    return {uid for text in _strings(dashboard["panels"]) for uid in re.findall(r"/d/([\w-]+)\?", text)}
+
+
+def test_drill_down_links_job_to_pg_to_rank() -> None:
+    assert _link_targets(_load(generate.UID_JOB)) >= {generate.UID_PG, generate.UID_RANK}
+    assert _link_targets(_load(generate.UID_PG)) >= {generate.UID_RANK}
+    assert _link_targets(_load(generate.UID_RANK)) >= {generate.UID_PG}
+    for uid, dashboard in _committed():
+        assert _link_targets(dashboard) <= set(generate.DASHBOARD_FILES), uid
+        for text in _strings(dashboard["panels"]):
+            if "/d/" in text:
+                # The job and datasource travel with every drill-down; so does the time range.
+                assert "${job_id:queryparam}" in text and "${datasource:queryparam}" in text, text
+                assert "${__url_time_range}" in text, text
+        (links,) = [link for link in dashboard["links"] if link["type"] == "dashboards"]
+        assert links["tags"] == ["frexporter"] and links["includeVars"] and links["keepTime"]
+
+
+# --- PromQL ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        if REQUIRE_TOOLS:
+            pytest.fail("promtool is not on PATH and FREXPORTER_REQUIRE_TOOLS=1")
+        pytest.skip("promtool is not on PATH (Debian: apt-get install prometheus)")
+    return path
+
+
+def _promtool_parse(promtool: str, tmp_path: Path, exprs: list[tuple[str, str]]) -> subprocess.CompletedProcess[str]:
+    """Check ``(name, expr)`` pairs as recording rules, one group each so that errors name the query."""
+    groups = [
+        {"name": name, "rules": [{"record": f"frexporter_dashboard_query_{i}", "expr": expr}]}
+        for i, (name, expr) in enumerate(exprs)
+    ]
+    path = tmp_path / "dashboard_queries.rules.yml"
+    path.write_text(json.dumps({"groups": groups}, indent=1), encoding="utf-8")  # JSON is YAML
+    return subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=PROMTOOL_TIMEOUT_S, check=False
+    )
+
+
+def _all_exprs() -> list[tuple[str, str]]:
+    exprs = [
+        (f"{query.dashboard_uid} / {query.panel_title} / {query.ref_id}", generate.substitute(query.expr))
+        for query in generate.panel_queries()
+    ]
+    for uid, dashboard in generate.build_dashboards().items():
+        exprs += [
+            (f"{uid} / variable {name}", generate.substitute(selector))
+            for name, selector in generate.variable_selectors(dashboard)
+        ]
+    return exprs
+
+
+def test_every_query_parses_with_promtool(promtool: str, tmp_path: Path) -> None:
+    exprs = _all_exprs()
+    result = _promtool_parse(promtool, tmp_path, exprs)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in result.stdout
+
+
+def test_promtool_harness_catches_a_bad_query(promtool: str, tmp_path: Path) -> None:
+    result = _promtool_parse(promtool, tmp_path, [("good", "sum(up)"), ("frexporter-job / Broken / A", "sum(up")])
+    assert result.returncode != 0
+    assert "frexporter-job / Broken / A" in result.stdout + result.stderr
+
+
+def _known_series() -> set[str]:
+    exported = {
+        v for v in vars(naming).values() if isinstance(v, str) and v.startswith(naming.PREFIX) and v != naming.PREFIX
+    }
+    recorded = {rule["record"] for group in load_rules()["groups"] for rule in group["rules"] if "record" in rule}
+    return exported | recorded | generate.EXTERNAL_METRICS
+
+
+def _is_known(name: str, known: set[str]) -> bool:
+    if name in known:
+        return True
+    # A histogram is exposed as <name>_bucket/_count/_sum series.
+    return any(name.endswith(suffix) and name[: -len(suffix)] in known for suffix in generate.HISTOGRAM_SUFFIXES)
+
+
+def test_every_series_a_query_reads_is_exported_or_recorded() -> None:
+    known = _known_series()
+    for name, expr in _all_exprs():
+        names = generate.metric_names(expr)
+        assert names or expr.endswith("or vector(0)"), f"{name}: no series found in {expr!r}"
+        unknown = {metric for metric in names if not _is_known(metric, known)}
+        assert not unknown, f"{name}: {sorted(unknown)} in {expr!r} are not in naming.py or the recording rules"
+
+
+@pytest.mark.parametrize(
+    ("expr", "names"),
+    [
+        ('max by (rank) (time() - a_b{job_id="$job_id", pg="x y"})', {"a_b"}),
+        ("rate(job_id_pg:x:min[$__rate_interval])", {"job_id_pg:x:min"}),
+        ('count(up{job=~".*frexporter.*"} == 0) or vector(0)', {"up"}),
+        ("histogram_quantile(0.99, sum by (le, op) (rate(h_bucket[1m])))", {"h_bucket"}),
+        ("a * on (gpu_uuid) group_left (rank) max by (gpu_uuid, rank) (b)", {"a", "b"}),
+        ("count by (world_size) (c) > bool 1e3 unless d offset 5m", {"c", "d"}),
+        ('ALERTS{alertname=~"Frexporter.*", rank="sum(x)"}', {"ALERTS"}),
+    ],
+)
+def test_metric_name_scan(expr: str, names: set[str]) -> None:
+    assert generate.metric_names(expr) == names
+
+
+def test_dashboards_cover_the_metrics_that_matter() -> None:
+    used = {name for query in generate.panel_queries() for name in generate.metric_names(query.expr)}
+    required = {
+        naming.RANK_UP,
+        naming.RANK_INFO,
+        naming.RANK_HEARTBEAT_TIMESTAMP_SECONDS,
+        naming.RANK_RECORDER_ERRORS_TOTAL,
+        naming.PG_INFO,
+        naming.PG_LAST_ENQUEUED_SEQ,
+        naming.PG_LAST_COMPLETED_SEQ,
+        naming.PG_INFLIGHT_COLLECTIVES,
+        naming.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS,
+        naming.PG_TIMEOUT_SECONDS,
+        naming.VERDICT,
+        naming.SOURCE_UP,
+        naming.COLLECTIVE_DURATION_SECONDS + "_bucket",
+        naming.COLLECTIVE_BYTES_TOTAL,
+        naming.GPU_UTILIZATION_RATIO,
+        naming.GPU_MEMORY_USED_BYTES,
+        naming.GPU_TEMPERATURE_CELSIUS,
+        naming.GPU_POWER_WATTS,
+        naming.GPU_THROTTLE_REASONS,
+        naming.GPU_ECC_ERRORS_TOTAL,
+        naming.GPU_XID_ERRORS_TOTAL,
+        naming.GPU_NVLINK_ERRORS_TOTAL,
+        generate.R_ENQUEUED_SKEW,
+        generate.R_BUDGET_USED,
+        generate.R_OLDEST_INFLIGHT_AGE,
+        generate.R_RANKS_UP_SUM,
+        generate.ALERTS,
+    }
+    assert required <= used, sorted(required - used)
+
+
+# --- queries for end-to-end tests ----------------------------------------------
+
+
+def test_all_panel_queries_lists_every_target_of_the_committed_json() -> None:
+    from_json = [
+        (uid, panel["title"], generate.substitute(target["expr"]))
+        for uid, dashboard in _committed()
+        for panel, target in generate.panel_targets(dashboard)
+    ]
+    assert generate.all_panel_queries() == from_json
+    for _, _, expr in from_json:
+        assert "$" not in expr, expr
+
+
+def test_all_panel_queries_substitutes_the_given_variables() -> None:
+    queries = generate.all_panel_queries({"job_id": "run-7", "pg": "3", "rank": "12", "__rate_interval": "30s"})
+    exprs = "\n".join(expr for _, _, expr in queries)
+    assert 'job_id="run-7"' in exprs and 'pg="3"' in exprs and 'rank="12"' in exprs and "[30s]" in exprs
+    assert 'job_id="llm"' not in exprs
+    assert generate.substitute('x{a="${job_id}"}[$__rate_interval]', {"job_id": "j"}) == 'x{a="j"}[1m]'
+    with pytest.raises(KeyError, match="nope"):
+        generate.substitute('x{a="$nope"}')
+
+
+def test_all_panel_queries_filters_by_what_a_scenario_provides() -> None:
+    everything = generate.all_panel_queries()
+    assert generate.all_panel_queries(available=generate.Needs.ALL) == everything
+    basic = generate.all_panel_queries(available=())
+    # A plain healthy job without recording rules still has data on every dashboard.
+    assert {uid for uid, _, _ in basic} == set(generate.DASHBOARD_FILES)
+    assert not any("frexporter_gpu_" in expr or "job_id_pg:" in expr for _, _, expr in basic)
+    cpu_hang = generate.all_panel_queries(
+        available={generate.Needs.RULES, generate.Needs.INFLIGHT, generate.Needs.VERDICT, generate.Needs.ALERT}
+    )
+    assert set(basic) < set(cpu_hang) < set(everything)
+    assert not any("frexporter_gpu_" in expr for _, _, expr in cpu_hang)
+    with pytest.raises(ValueError, match="unknown conditions"):
+        generate.all_panel_queries(available={"gpus"})
+
+
+def test_needs_follow_the_series_a_query_reads() -> None:
+    for query in generate.panel_queries():
+        names = generate.metric_names(query.expr)
+        if query.expr.endswith("or vector(0)"):
+            assert query.needs == frozenset(), query
+            continue
+        if any(name.startswith(naming.PREFIX + "gpu_") for name in names):
+            assert generate.Needs.GPU in query.needs, query
+        if any(":" in name for name in names):
+            assert generate.Needs.RULES in query.needs, query
+        if naming.VERDICT in names:
+            assert generate.Needs.VERDICT in query.needs, query
+        if naming.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS in names:
+            assert generate.Needs.INFLIGHT in query.needs, query
+        assert query.needs <= generate.Needs.ALL, query
