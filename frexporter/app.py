@@ -1,13 +1,17 @@
-"""Wiring of one exporter process: sources, poll loop, HTTP. Shared by `serve`, `demo` and tests."""
+"""Wiring of one exporter process: sources, poll loop, verdicts, HTTP, OTLP. Shared by `serve`, `demo`, tests."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from frexporter.exporter import Exporter, Source
 from frexporter.server import MetricsServer
 from frexporter.sources.ranks import RanksConfig, RanksSource
+
+if TYPE_CHECKING:
+    from frexporter.outputs.otlp import OtlpPusher
 
 log = logging.getLogger("frexporter")
 
@@ -18,6 +22,7 @@ NVML_INTERVAL = 5.0
 class App:
     exporter: Exporter
     server: MetricsServer
+    otlp: OtlpPusher | None = None
 
     @property
     def port(self) -> int:
@@ -25,12 +30,16 @@ class App:
 
     def start(self) -> None:
         self.exporter.poll_once()  # serve a real snapshot from the first scrape on
+        if self.otlp is not None:
+            self.otlp.start()
         self.exporter.start()
         self.server.start()
 
     def stop(self) -> None:
         self.server.stop()
         self.exporter.stop()
+        if self.otlp is not None:
+            self.otlp.shutdown()  # after the poll loop stopped: pushes its last snapshot
 
 
 def build_app(
@@ -42,6 +51,9 @@ def build_app(
     rank_timeout: float = 2.0,
     nvml: bool = True,
     deep_interval: float = RanksConfig.deep_interval,
+    otlp_endpoint: str | None = None,
+    otlp_interval: float = 15.0,
+    otlp_protocol: str | None = None,
 ) -> App:
     ranks = RanksSource(
         RanksConfig(
@@ -55,5 +67,12 @@ def build_app(
         sources.append((NvmlSource(), max(poll_interval, NVML_INTERVAL)))
     exporter = Exporter(sources, poll_interval=poll_interval)
     exporter.stuck_after = stuck_after  # type: ignore[attr-defined]
+    otlp = None
+    if otlp_endpoint:  # before the server binds: a bad endpoint must not leave a listening socket behind
+        from frexporter.outputs.otlp import OtlpPusher
+
+        otlp = OtlpPusher(otlp_endpoint, interval=otlp_interval, protocol=otlp_protocol, hostname=exporter.hostname)
+        exporter.poll_listeners.append(otlp.observe)
+        exporter.extra_sources.append(otlp.status)
     server = MetricsServer(exporter, host, port)
-    return App(exporter=exporter, server=server)
+    return App(exporter=exporter, server=server, otlp=otlp)

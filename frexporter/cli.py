@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rank-timeout", type=_positive, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                        help=f"longest one rank's socket may take per poll (default {DEFAULT_RANK_TIMEOUT})")
     serve.add_argument("--no-nvml", action="store_true", help="do not read GPU state from NVML")
+    serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                       help="also push the metrics over OTLP: http://HOST:4318 (HTTP/protobuf) or grpc://HOST:4317")
+    serve.add_argument("--otlp-protocol", choices=["http/protobuf", "grpc"], default=None,
+                       help="OTLP transport when the URL scheme does not say (default: from the scheme)")
+    serve.add_argument("--otlp-interval", type=_positive, default=15.0, metavar="SECONDS",
+                       help="seconds between OTLP pushes (default 15)")
 
     run = sub.add_parser("run", help="run a training command with the recorder in every rank",
                          description="Run COMMAND with the recorder installed in every Python process "
@@ -109,10 +115,15 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = args.listen
     try:
         app = build_app(directory=directory, host=host, port=port, poll_interval=args.poll_interval,
-                        stuck_after=args.stuck_after, rank_timeout=args.rank_timeout, nvml=not args.no_nvml)
+                        stuck_after=args.stuck_after, rank_timeout=args.rank_timeout, nvml=not args.no_nvml,
+                        otlp_endpoint=args.otlp_endpoint, otlp_interval=args.otlp_interval,
+                        otlp_protocol=args.otlp_protocol)
     except OSError as e:
         print(f"frexporter: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # OtlpConfigError: a bad --otlp-* value or the exporter package is missing
+        print(f"frexporter: {e}", file=sys.stderr)
+        return 2
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

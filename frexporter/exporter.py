@@ -64,6 +64,8 @@ class Exporter:
         self._thread: threading.Thread | None = None
         self.polls = 0
         self.poll_listeners: list[Callable[[NodeSnapshot], None]] = []
+        # Outputs that fail on their own (an OTLP push) report here, so /metrics shows them as sources.
+        self.extra_sources: list[Callable[[], SourceStatus]] = []
 
     @property
     def snapshot(self) -> NodeSnapshot:
@@ -119,7 +121,8 @@ class Exporter:
                     last_success=t.last_success,
                 )
                 for t in self._tracks
-            ),
+            )
+            + tuple(self._extra_statuses()),
             gpus=gpus,
         )
         if self.analyzer is not None:
@@ -135,6 +138,15 @@ class Exporter:
             except Exception:
                 log.exception("poll listener failed")
         return snapshot
+
+    def _extra_statuses(self) -> list[SourceStatus]:
+        out = []
+        for status in self.extra_sources:
+            try:
+                out.append(status())
+            except Exception:
+                log.exception("source status callback failed")
+        return out
 
     def _collect(self, track: _SourceTrack, now: float) -> None:
         started = time.perf_counter()
