@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from frexporter import spool
+from frexporter.analysis import VerdictConfig, make_analyzer
+from frexporter.evidence import EvidenceConfig, EvidenceWriter
 from frexporter.exporter import Exporter, Source
 from frexporter.server import MetricsServer
 from frexporter.sources.ranks import RanksConfig, RanksSource
+from frexporter.verdict_events import VerdictEvents
 
 if TYPE_CHECKING:
     from frexporter.outputs.otlp import OtlpPusher
@@ -23,6 +28,7 @@ class App:
     exporter: Exporter
     server: MetricsServer
     otlp: OtlpPusher | None = None
+    events: VerdictEvents | None = None
 
     @property
     def port(self) -> int:
@@ -40,6 +46,8 @@ class App:
         self.exporter.stop()
         if self.otlp is not None:
             self.otlp.shutdown()  # after the poll loop stopped: pushes its last snapshot
+        if self.events is not None:
+            self.events.close()
 
 
 def build_app(
@@ -54,7 +62,10 @@ def build_app(
     otlp_endpoint: str | None = None,
     otlp_interval: float = 15.0,
     otlp_protocol: str | None = None,
+    evidence_dir: str | None = None,
+    evidence_stacks: bool = False,
 ) -> App:
+    """``evidence_dir``: None for ``<spool>/evidence``, "" to capture no evidence."""
     ranks = RanksSource(
         RanksConfig(
             directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval
@@ -65,8 +76,14 @@ def build_app(
         from frexporter.sources.nvml import NvmlSource
 
         sources.append((NvmlSource(), max(poll_interval, NVML_INTERVAL)))
-    exporter = Exporter(sources, poll_interval=poll_interval)
-    exporter.stuck_after = stuck_after  # type: ignore[attr-defined]
+    exporter = Exporter(sources, poll_interval=poll_interval,
+                        analyzer=make_analyzer(VerdictConfig(stuck_after=stuck_after)))
+    evidence = None
+    if evidence_dir != "":
+        target = evidence_dir or os.path.join(directory, spool.EVIDENCE_DIRNAME)
+        evidence = EvidenceWriter(EvidenceConfig(directory=target, stacks=evidence_stacks))
+    events = VerdictEvents(directory, evidence)
+    exporter.poll_listeners.append(events)
     otlp = None
     if otlp_endpoint:  # before the server binds: a bad endpoint must not leave a listening socket behind
         from frexporter.outputs.otlp import OtlpPusher
@@ -75,4 +92,4 @@ def build_app(
         exporter.poll_listeners.append(otlp.observe)
         exporter.extra_sources.append(otlp.status)
     server = MetricsServer(exporter, host, port)
-    return App(exporter=exporter, server=server, otlp=otlp)
+    return App(exporter=exporter, server=server, otlp=otlp, events=events)

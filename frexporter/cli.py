@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rank-timeout", type=_positive, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                        help=f"longest one rank's socket may take per poll (default {DEFAULT_RANK_TIMEOUT})")
     serve.add_argument("--no-nvml", action="store_true", help="do not read GPU state from NVML")
+    serve.add_argument("--evidence-dir", default=None, metavar="DIR",
+                       help="where evidence bundles go when a verdict appears (default: <spool>/evidence; "
+                            "'' to disable)")
+    serve.add_argument("--evidence-stacks", action="store_true",
+                       help="also capture py-spy stacks of culprit ranks in evidence (needs py-spy and ptrace)")
     serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
                        help="also push the metrics over OTLP: http://HOST:4318 (HTTP/protobuf) or grpc://HOST:4317")
     serve.add_argument("--otlp-protocol", choices=["http/protobuf", "grpc"], default=None,
@@ -117,7 +122,8 @@ def _serve(args: argparse.Namespace) -> int:
         app = build_app(directory=directory, host=host, port=port, poll_interval=args.poll_interval,
                         stuck_after=args.stuck_after, rank_timeout=args.rank_timeout, nvml=not args.no_nvml,
                         otlp_endpoint=args.otlp_endpoint, otlp_interval=args.otlp_interval,
-                        otlp_protocol=args.otlp_protocol)
+                        otlp_protocol=args.otlp_protocol, evidence_dir=args.evidence_dir,
+                        evidence_stacks=args.evidence_stacks)
     except OSError as e:
         print(f"frexporter: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ SNAPSHOT_FORMAT = "frexporter.snapshot/1"
 MANIFEST_SUFFIX = ".manifest.json"
 SNAPSHOT_SUFFIX = ".snapshot.json"
 SOCKET_SUFFIX = ".sock"
+EVIDENCE_DIRNAME = "evidence"  # the exporter's default evidence location inside the spool directory
 
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 MAX_SNAPSHOT_BYTES = 1024 * 1024

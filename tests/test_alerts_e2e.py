@@ -73,7 +73,7 @@ def test_skipped_subgroup_collective_pages_only_the_root_rank(
 ) -> None:
     job_id = "e2e-pair-skip"
     job = job_factory("pair_skip", 4, job_id=job_id,
-                      env={"JOB_TIMEOUT": f"{JOB_TIMEOUT_S:g}", "JOB_STEP_SECONDS": "0.2"})
+                      env={"JOB_TIMEOUT": f"{JOB_TIMEOUT_S:g}", "JOB_STEP_SECONDS": "0.5"})
     job.wait_ready()
     _start_exporter(promstack, exporter_factory, job)
     job.touch("skip")

@@ -371,10 +371,10 @@ def test_exited_rank_is_no_verdict_by_itself() -> None:
 # --- cascades and cycles ------------------------------------------------------------------------------------
 
 
-def cascade(rank3_in_world: bool) -> list[RankState]:
+def cascade(rank3_in_world: bool, rank3_wait: float = 95.0) -> list[RankState]:
     """Rank 3 skipped the all_reduce on subgroup [2,3]; rank 2 waits there; ranks 0,1 wait in WORLD."""
     sub = "1"
-    world3 = waiting("0", WORLD4, 10, 95.0, desc="default_pg") if rank3_in_world else idle("0", WORLD4, 9)
+    world3 = waiting("0", WORLD4, 10, rank3_wait, desc="default_pg") if rank3_in_world else idle("0", WORLD4, 9)
     return [
         rank(0, waiting("0", WORLD4, 10, 95.0, desc="default_pg")),
         rank(1, waiting("0", WORLD4, 10, 95.0, desc="default_pg")),
@@ -401,8 +401,23 @@ def test_cascade_root_is_stable_while_the_upstream_wait_is_still_young() -> None
     assert (v.pg, v.ranks, v.waiting_ranks) == ("1", (3,), (0, 1, 2))
 
 
-def test_cycle_is_reported_once_as_a_deadlock() -> None:
-    v = only(evaluate(cascade(rank3_in_world=True), NOW, NODE))
+def test_cycle_names_the_rank_missing_from_the_oldest_wait() -> None:
+    # The real shape of a skipped collective: rank 2 entered the pair all_reduce (80 s ago) before rank 3, having
+    # skipped it, entered WORLD's next all_reduce (70 s ago).
+    states = cascade(rank3_in_world=True, rank3_wait=70.0)
+    states[0] = rank(0, waiting("0", WORLD4, 10, 70.0, desc="default_pg"))
+    states[1] = rank(1, waiting("0", WORLD4, 10, 70.0, desc="default_pg"))
+    v = only(evaluate(states, NOW, NODE))
+    assert (v.kind, v.pg, v.seq, v.ranks, v.waiting_ranks) == (MISSING_RANK, "1", 5, (3,), (0, 1, 2))
+    assert v.details["cycle_ranks"] == [2, 3]
+    assert v.summary.startswith("Rank 3 never joined all_reduce #5 on PG 'pair23' (1), which has waited longest, "
+                                "and went on into other collectives: a deadlock")
+
+
+def test_cycle_with_equal_start_times_is_reported_once_as_a_deadlock() -> None:
+    states = cascade(rank3_in_world=True)
+    states[2] = rank(2, idle("0", WORLD4, 9, desc="default_pg"), waiting("1", (2, 3), 5, 95.0, desc="pair23"))
+    v = only(evaluate(states, NOW, NODE))
     assert (v.kind, v.pg, v.ranks, v.waiting_ranks) == (MISSING_RANK, "1", (2, 3), (0, 1))
     assert {e["pg"] for e in v.details["deadlock"]} == {"0", "1"}
     assert v.summary == (

@@ -210,8 +210,18 @@ class _Resolver:
                 return (-len(ranks & set(f.members)), len(f.members), f.pg)
 
             rep = min(pgs, key=key)
-            around = self.graph.ancestors(component) | set(component)
             culprits = ranks & set(self.findings[rep].members)
+            # Break the tie by time: the collective waited on longest is the original block, and the ranks
+            # missing from it are the ones that went off order (rank 3 skipped the pair all_reduce and only
+            # then entered WORLD's next one). FR order alone cannot tell; equal start times name them all.
+            timed = [i for i in pgs if self.findings[i].since is not None]
+            if len(timed) == len(pgs):
+                oldest = min(timed, key=lambda i: (self.findings[i].since, key(i)))
+                starts = sorted(self.findings[i].since or 0.0 for i in pgs)
+                first_missing = ranks & set(self.findings[oldest].blockers)
+                if starts[0] < starts[1] and first_missing:
+                    rep, culprits = oldest, first_missing
+            around = self.graph.ancestors(component) | set(component)
             out.append(self._cause("cycle", component[0].job_id, culprits, rep, around, tuple(sorted(pgs))))
         return out
 

@@ -285,10 +285,18 @@ class _Builder:
                              f"{text.pg_text(f.pg, f.pg_desc)} for {text.who(missing, capital=False)}")
         edges = [{"pg": f.pg, "pg_desc": f.pg_desc, "seq": f.seq, "op": f.op, "waiting": list(f.waiting),
                   "missing": list(f.blockers)} for f in cycle]
-        summary = (f"{text.who(in_cycle)} deadlock, each waiting in a collective another never joined "
-                   f"({'; '.join(parts)}): they issued collectives in different orders; "
-                   f"{text.waited(set(self.cause.waiting) - in_cycle, self.age, 'they')}"
-                   f"{text.also_blocking(self.blocked)}, {text.budget(self.age, self.timeout)}.")
+        waited = text.waited(set(self.cause.waiting) - in_cycle, self.age, "they")
+        tail = f"{waited}{text.also_blocking(self.blocked)}, {text.budget(self.age, self.timeout)}."
+        culprits = set(self.cause.culprits)
+        if culprits < in_cycle:
+            # Timing named who went off order first: that rank is the one to look at.
+            summary = (f"{text.who(culprits)} never joined {text.collective(self.f.op, self.f.seq)} on "
+                       f"{text.pg_text(self.f.pg, self.f.pg_desc)}, which has waited longest, and went on into "
+                       f"other collectives: a deadlock from collectives issued in different orders "
+                       f"({'; '.join(parts)}); {tail}")
+        else:
+            summary = (f"{text.who(in_cycle)} deadlock, each waiting in a collective another never joined "
+                       f"({'; '.join(parts)}): they issued collectives in different orders; {tail}")
         return self.make(MISSING_RANK, summary, {"deadlock": edges, "cycle_ranks": sorted(in_cycle)})
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -28,7 +29,8 @@ def _free_port() -> int:
 
 
 def _table(snap: NodeSnapshot) -> str:
-    lines = [f"  {'rank':>4} {'status':<13} {'pg (desc)':<22} {'enqueued':>8} {'completed':>9} {'in flight':>9}  oldest"]
+    head = f"  {'rank':>4} {'status':<13} {'pg (desc)':<22} {'enqueued':>8} {'completed':>9} {'in flight':>9}"
+    lines = [head + "  oldest in flight"]
     for r in snap.ranks:
         for pg in r.pgs:
             oldest = pg.oldest_inflight
@@ -62,6 +64,9 @@ def run_demo(ranks: int = 4, keep: bool = False, stuck_after: float = 4.0, out: 
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.dirname(os.path.dirname(os.path.dirname(__file__))), env.get("PYTHONPATH")) if p)
     os.makedirs(spool, mode=0o700)
+    # The demo prints verdicts itself; the exporter's own log lines would say the same twice.
+    for name in ("frexporter.verdicts", "frexporter.evidence"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     app = build_app(directory=spool, host="127.0.0.1", port=0, poll_interval=0.5, stuck_after=stuck_after,
                     nvml=False, deep_interval=2.0)
     app.start()
@@ -92,8 +97,24 @@ def run_demo(ranks: int = 4, keep: bool = False, stuck_after: float = 4.0, out: 
             shutil.rmtree(root, ignore_errors=True)
     if injected_at is None:
         say("the hang was never injected: the ranks did not get that far")
+    elif not keep and culprit_ok:
+        say("(run with --keep to keep the spool directory and evidence; `frexporter analyze DIR` reads it)")
     say("done: culprit found" if culprit_ok else "done: culprit NOT found")
     return 0 if culprit_ok else 1
+
+
+def _wait_for_evidence(app: App, say: Callable[[str], None]) -> None:
+    events = app.events
+    if events is None:
+        return
+    for future in list(events.captures):
+        try:
+            path = future.result(timeout=10)
+        except Exception as e:  # evidence is a bonus; the verdict already stands
+            say(f"evidence capture failed: {e}")
+            continue
+        if path:
+            say(f"evidence (FR buffers of the PG's ranks, read without their GIL): {path}")
 
 
 def _injected_time(control: str) -> float | None:
@@ -134,8 +155,14 @@ def _watch(app: App, procs: list[subprocess.Popen[bytes]], control: str, ranks: 
             key = f"{v.kind}/{v.pg}/{v.seq}/{v.ranks}"
             if key not in seen_verdicts:
                 seen_verdicts.add(key)
-                say(f"VERDICT {v.kind}: {v.summary}")
+                injected = _injected_time(control)
+                after = f" ({snap.time - injected:.1f}s after the hang)" if injected else ""
+                since = time.strftime("%H:%M:%S", time.localtime(v.since)) if v.since else "?"
+                say(f"VERDICT{after}: {v.kind}, culprit rank(s) {','.join(map(str, v.ranks))}, PG {v.pg} "
+                    f"({v.pg_desc}), {v.op} #{v.seq}, waiting since {since}")
+                say(f"  {v.summary}")
             if v.kind in ("missing_rank", "mismatch") and tuple(v.ranks) == (expected,):
+                _wait_for_evidence(app, say)
                 return True
         time.sleep(0.1)
     say("deadline reached")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from frexporter import __version__
@@ -80,12 +79,6 @@ def _process_groups(snap: NodeSnapshot) -> list[dict[str, Any]]:
     return sorted(out, key=lambda g: (g["job_id"], g["pg"]))
 
 
-def _plain(value: Any) -> Any:
-    if is_dataclass(value) and not isinstance(value, type):
-        return asdict(value)
-    return value
-
-
 def status_json(snap: NodeSnapshot) -> dict[str, Any]:
     return {
         "version": __version__,
@@ -93,7 +86,7 @@ def status_json(snap: NodeSnapshot) -> dict[str, Any]:
         "time": snap.time,
         "ranks": [_rank_json(r, snap.time) for r in snap.ranks],
         "process_groups": _process_groups(snap),
-        "verdicts": [_plain(v) for v in snap.verdicts],
+        "verdicts": [v.to_json() for v in snap.verdicts],
         "sources": [
             {"source": s.name, "up": s.up, "duration_seconds": s.duration_seconds,
              "errors_total": dict(s.errors_total), "last_error": s.last_error}

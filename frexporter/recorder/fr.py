@@ -8,6 +8,7 @@ server without the GIL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -76,10 +77,8 @@ def handler_names() -> tuple[str, ...]:
 def start_worker_server(path: str) -> Any:
     """Start torch's C++ worker server on a unix socket; torch refuses an existing path."""
     ext = _c10d()
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
     server = ext._WorkerServer(path, -1)
     os.chmod(path, spool.FILE_MODE)
     return server
@@ -117,10 +116,8 @@ def pg_table() -> list[dict[str, Any]]:
             except Exception:
                 pass
         timeout = None
-        try:
+        with contextlib.suppress(Exception):
             timeout = pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-        except Exception:
-            pass
         groups.append(
             {
                 "name": str(name),

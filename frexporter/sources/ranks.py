@@ -147,7 +147,8 @@ class RanksSource:
     def _load_manifests(self, entries: dict[str, os.DirEntry]) -> None:
         seen_stems = set()
         for name, entry in entries.items():
-            if name.startswith(".") or name.endswith(spool.SNAPSHOT_SUFFIX) or name.endswith(spool.SOCKET_SUFFIX):
+            if (name.startswith(".") or name == spool.EVIDENCE_DIRNAME or name.endswith(spool.SNAPSHOT_SUFFIX)
+                    or name.endswith(spool.SOCKET_SUFFIX)):
                 continue
             path = entry.path
             try:
