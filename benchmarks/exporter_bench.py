@@ -53,7 +53,8 @@ def measure(ranks: int, pgs: int, gpus: int, seconds: float) -> dict[str, float]
     directory = Path(tempfile.mkdtemp(prefix="frexporter-bench-"))
     for r in range(ranks):
         spoolgen.write_rank(directory, "bench", r, pgs=pgs, world=max(ranks, 1))
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(ranks), str(pgs), str(seconds * 2 + 5)],
+    args = [str(directory), str(ranks), str(pgs), str(seconds * 2 + 5)]
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, *args],
                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
     source = RanksSource(RanksConfig(directory=str(directory), poll_interval=1.0))
     backend = FakeGpuBackend([FakeGpu(uuid=f"GPU-{i:04d}") for i in range(gpus)])

@@ -20,10 +20,10 @@ class RunningExporter:
             return resp.read().decode()
 
     @property
-    def snapshot(self):  # noqa: ANN201
+    def snapshot(self):
         return self.app.exporter.snapshot
 
-    def rank(self, rank: int, job_id: str = "job"):  # noqa: ANN201
+    def rank(self, rank: int, job_id: str = "job"):
         for r in self.snapshot.ranks:
             if r.rank == rank and r.job_id == job_id:
                 return r

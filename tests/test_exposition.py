@@ -41,7 +41,7 @@ def test_identical_on_many_ranks(tmp_path: Path) -> None:
 class Odd:
     """Escaping, histograms, counters with created timestamps, unlabelled samples."""
 
-    def collect(self):  # noqa: ANN201
+    def collect(self):
         g = GaugeMetricFamily("odd_gauge", 'help with \\ and\nnewline', labels=["a", "b"])
         g.add_metric(['quote " back \\ nl \n', "ü"], float("inf"))
         g.add_metric(["x", "y"], -0.0)

@@ -13,7 +13,7 @@ from tests.harness import metrics, sample, wait_for
 pytestmark = pytest.mark.e2e
 
 
-def pg_values(exp, rank: int) -> dict[str, tuple[str, int, int, int]]:  # noqa: ANN001
+def pg_values(exp, rank: int) -> dict[str, tuple[str, int, int, int]]:
     state = exp.rank(rank)
     if state is None:
         return {}
@@ -79,7 +79,7 @@ def test_rank_blocked_in_collective(job_factory, exporter_factory) -> None:
     job.wait_ready()
     exp = exporter_factory(job.spool)
 
-    def blocked():  # noqa: ANN202
+    def blocked():
         r0 = exp.rank(0)
         pg = r0 and next((p for p in r0.pgs if p.desc == "default_pg"), None)
         return pg if pg and pg.inflight_count == 1 and pg.oldest_inflight is not None else None

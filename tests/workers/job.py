@@ -21,8 +21,8 @@ if os.environ.get("JOB_INSTALL", "1") == "1":
 
     install()
 
-import torch
-import torch.distributed as dist
+import torch  # noqa: E402  (after install(): the recorder must run before torch sets up FR)
+import torch.distributed as dist  # noqa: E402
 
 timeout = timedelta(seconds=float(os.environ.get("JOB_TIMEOUT", "120")))
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
