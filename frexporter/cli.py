@@ -87,6 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--job-id", default=None, help="job id label (default: the launcher's run id)")
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
 
+    analyze = sub.add_parser(
+        "analyze", help="verdicts from FR dump files / evidence bundles, or a whole job in Prometheus",
+        description="Print the verdicts for torch Flight Recorder dump files (one per rank, JSON or pickle, any "
+                    "<prefix><rank> name; pickles are read with a restricted unpickler), for an evidence bundle "
+                    "written by `frexporter serve`, or for a job's series in Prometheus.")
+    analyze.add_argument("dir", nargs="?", help="directory of FR dump files or an evidence bundle")
+    analyze.add_argument("--prometheus", metavar="URL", help="query this Prometheus instead of reading files")
+    analyze.add_argument("--job-id", default=None, help="restrict to one job (Prometheus)")
+    analyze.add_argument("--stuck-after", type=float, default=None, metavar="SECONDS",
+                         help="wait before a collective counts as stuck (default: 0 for dumps, "
+                              f"{DEFAULT_STUCK_AFTER:.0f} for Prometheus)")
+    analyze.add_argument("--json", action="store_true", help="print the verdicts as a JSON list")
+
     demo = sub.add_parser("demo", help="a local 4-rank CPU job with an injected hang, watched by the exporter")
     demo.add_argument("--ranks", type=int, default=4, help="number of gloo ranks (default 4)")
     demo.add_argument("--keep", action="store_true", help="keep the spool directory for inspection")
@@ -102,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "run":
         return _run(args)
+    if args.command == "analyze":
+        return _analyze(parser, args)
     if args.command == "demo":
         from frexporter.demo import run_demo
 
@@ -152,3 +167,26 @@ def _run(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         print(f"frexporter run: command not found: {argv[0]}", file=sys.stderr)
         return 127
+
+
+def _analyze(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from frexporter.analysis import frdump, prom, report
+
+    if bool(args.dir) == bool(args.prometheus):
+        parser.error("analyze needs either DIR or --prometheus URL")
+    try:
+        if args.prometheus:
+            stuck = DEFAULT_STUCK_AFTER if args.stuck_after is None else args.stuck_after
+            result = report.from_prometheus(args.prometheus, args.job_id, stuck)
+        else:
+            result = report.from_dir(args.dir, 0.0 if args.stuck_after is None else args.stuck_after)
+    except (frdump.DumpError, prom.PrometheusError) as e:
+        print(f"frexporter analyze: {e}", file=sys.stderr)
+        return 1
+    if not result.ranks:
+        print(f"frexporter analyze: no rank data in {result.source}", file=sys.stderr)
+        for problem in result.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    print(report.render_json(result.verdicts) if args.json else report.render_text(result))
+    return 0
