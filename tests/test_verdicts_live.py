@@ -1,0 +1,82 @@
+"""Verdicts on real gloo jobs: in the API, as series, on the page, logged once, with evidence analyze can read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from frexporter import naming as n
+from tests.harness import REPO, metrics, sample, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def test_missing_rank_verdict_everywhere_with_evidence(job_factory, exporter_factory,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="frexporter")
+    job = job_factory("blocked", 2, env={"JOB_TIMEOUT": "120"})
+    job.wait_ready()
+    exp = exporter_factory(job.spool, stuck_after=2.0)
+    verdicts = wait_for(lambda: exp.snapshot.verdicts, timeout=20, what="a verdict")
+    (v,) = verdicts
+    assert (v.kind, v.pg, v.pg_desc, v.ranks, v.waiting_ranks, v.seq, v.op) == (
+        "missing_rank", "0", "default_pg", (1,), (0,), 4, "all_reduce")
+    assert v.timeout_seconds == 120 and 0 < v.budget_used < 0.5
+    assert v.summary.startswith("Rank 1 never joined all_reduce #4 on PG 'default_pg' (0); rank 0 has waited")
+
+    status = json.loads(exp.get("/api/v1/status"))
+    (api,) = status["verdicts"]
+    assert {k: api[k] for k in ("kind", "pg", "ranks", "waiting_ranks", "seq", "op")} == {
+        "kind": "missing_rank", "pg": "0", "ranks": [1], "waiting_ranks": [0], "seq": 4, "op": "all_reduce"}
+    assert {"since", "age_seconds", "timeout_seconds", "summary", "job_id", "pg_desc"} <= set(api)
+    parsed = metrics(exp.get("/metrics"))
+    assert sample(parsed, n.VERDICT, job_id="job", pg="0", rank="1", kind="missing_rank", op="all_reduce",
+                  seq="4") == 1
+    assert len(parsed[n.VERDICT]) == 1  # one series per culprit, none for the waiting rank
+    assert "Rank 1 never joined" in exp.get("/")
+
+    bundle_root = job.spool / "evidence"
+    bundle = wait_for(lambda: next(bundle_root.glob("*/verdict.json"), None) if bundle_root.exists() else None,
+                      timeout=20, what="evidence bundle").parent
+    files = sorted(p.name for p in bundle.iterdir())
+    assert files == ["fr_rank0.json", "fr_rank1.json", "verdict.json"]
+    assert (bundle.stat().st_mode & 0o777) == 0o700
+    out = subprocess.run([sys.executable, "-m", "frexporter", "analyze", str(bundle), "--json"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    (post,) = json.loads(out.stdout)
+    assert (post["kind"], post["ranks"], post["seq"], post["job_id"]) == ("missing_rank", [1], 4, "job")
+
+    appeared = [r for r in caplog.records if r.name == "frexporter.verdicts" and "never joined" in r.getMessage()]
+    assert len(appeared) == 1  # logged once, not once per poll
+    job.touch("stop")
+    wait_for(lambda: not exp.snapshot.verdicts, timeout=20, what="verdict cleared after the job ended")
+    wait_for(lambda: any("verdict cleared" in r.getMessage() for r in caplog.records), timeout=5)
+
+
+def test_healthy_job_with_skew_below_threshold_has_no_verdict(job_factory, exporter_factory) -> None:
+    job = job_factory("p2p", 3)
+    job.wait_ready()
+    exp = exporter_factory(job.spool, stuck_after=2.0)
+    polls = exp.app.exporter.polls
+    wait_for(lambda: exp.app.exporter.polls >= polls + 20, timeout=30, what="20 polls")
+    assert exp.snapshot.verdicts == ()
+
+
+def test_demo_finds_the_culprit_and_cleans_up() -> None:
+    before = set(os.listdir(tempfile.gettempdir()))
+    out = subprocess.run([sys.executable, "-m", "frexporter", "demo"], capture_output=True, text=True, timeout=90,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "VERDICT" in out.stdout and "culprit rank(s) 3" in out.stdout and "done: culprit found" in out.stdout
+    leftovers = {p for p in set(os.listdir(tempfile.gettempdir())) - before if p.startswith("frexporter-demo")}
+    assert leftovers == set()
+    ps = subprocess.run(["pgrep", "-f", "frexporter.demo.rank"], capture_output=True, text=True)
+    assert ps.stdout.strip() == ""
