@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -26,6 +27,30 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     exporter: Exporter
     registry: CollectorRegistry
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_open_connections(self) -> None:
+        # A keep-alive connection (Prometheus holds one per target) outlives serve_forever; left open, its
+        # handler thread would go on answering scrapes from the stopped exporter's last snapshot.
+        with self._open_lock:
+            open_now = list(self._open)
+        for request in open_now:
+            with contextlib.suppress(OSError):  # the peer may have gone already
+                request.shutdown(socket.SHUT_RDWR)
 
 
 class _Server6(_Server):
@@ -101,3 +126,4 @@ class MetricsServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.httpd.close_open_connections()

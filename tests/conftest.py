@@ -9,6 +9,8 @@ import pytest
 from frexporter.app import App, build_app
 from tests.harness import Job
 
+pytest_plugins = ["tests.promstack"]
+
 
 class RunningExporter:
     def __init__(self, app: App) -> None:
@@ -49,9 +51,9 @@ def exporter_factory() -> Iterator:
     apps: list[App] = []
 
     def make(directory: Path, **kw: object) -> RunningExporter:
-        options = {"poll_interval": 0.2, "rank_timeout": 1.0, "nvml": False, "deep_interval": 1.0}
+        options = {"port": 0, "poll_interval": 0.2, "rank_timeout": 1.0, "nvml": False, "deep_interval": 1.0}
         options.update(kw)
-        app = build_app(directory=str(directory), host="127.0.0.1", port=0, **options)  # type: ignore[arg-type]
+        app = build_app(directory=str(directory), host="127.0.0.1", **options)  # type: ignore[arg-type]
         app.start()
         apps.append(app)
         return RunningExporter(app)
