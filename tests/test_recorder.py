@@ -117,3 +117,25 @@ def test_disk_full_while_writing_snapshots_is_counted_and_training_continues(tmp
     assert out.stderr.count("enospc") == 1  # logged once, counted every time
     snap = json.loads(next(tmp_path.glob("*.snapshot.json")).read_text())
     assert snap["errors"]["enospc"] >= 1  # the exporter gets to see it once the disk has room again
+
+
+@pytest.mark.e2e
+def test_spool_directory_deleted_and_recreated(job_factory, exporter_factory) -> None:
+    import shutil
+
+    from frexporter.model import RANK_OK
+    from tests.harness import wait_for
+
+    job = job_factory("counts", 2)
+    job.wait_ready()
+    exp = exporter_factory(job.spool)
+    wait_for(lambda: len(exp.snapshot.ranks) == 2, timeout=20, what="both ranks")
+    shutil.rmtree(job.spool)
+    # The exporter serves an empty node meanwhile; the ranks put their files (and sockets) back.
+    wait_for(lambda: all(r.status == RANK_OK for r in exp.snapshot.ranks) and len(exp.snapshot.ranks) == 2
+             and all(r.pgs for r in exp.snapshot.ranks) and job.spool.exists()
+             and len(list(job.spool.glob("*.sock"))) == 2, timeout=20, what="ranks back after the spool was recreated")
+    # The new sockets answer: the exporter reads the ranks' FR entries again.
+    deleted_at = max(p.stat().st_mtime for p in job.spool.glob("*.sock"))
+    wait_for(lambda: all((r.last_deep_read or 0) > deleted_at for r in exp.snapshot.ranks)
+             or all(r.socket_alive is not False for r in exp.snapshot.ranks), timeout=20)

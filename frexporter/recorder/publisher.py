@@ -95,11 +95,35 @@ class Publisher:
                 self._write_manifest()
             status = fr.read_pg_status(self._recorders)
             self._write_snapshot(status)
+            if not os.path.exists(self._path(spool.MANIFEST_SUFFIX)):
+                # Someone removed the spool directory (another rank may already have recreated it).
+                self._recreate_spool()
         except OSError as e:
             # errno names are stable, bounded reasons: ENOSPC (disk full) reads better than OSError.
             self._count_error(errno.errorcode.get(e.errno or 0, type(e).__name__).lower(), e)
+            if isinstance(e, FileNotFoundError):
+                self._recreate_spool()
         except Exception as e:
             self._count_error(type(e).__name__, e)
+
+    def _recreate_spool(self) -> None:
+        """The spool directory vanished (cleaned up, volume remounted): start publishing again."""
+        if self._manifest is None:
+            return
+        try:
+            spool.ensure_dir(self.directory)
+            path = os.path.join(self.directory, spool.socket_name(self._stem))
+            if self._server is not None and not os.path.exists(path):
+                # The old socket file went with the directory; an unlinked socket cannot be reached.
+                with contextlib.suppress(Exception):
+                    self._server.shutdown()
+                self._server = None
+            if self._server is None and self._manifest.get("socket"):
+                self._server = fr.start_worker_server(path)
+            self._pg_count = -1  # rewrite the manifest on the next tick
+            log.warning("frexporter recorder: spool directory %s was removed; publishing again", self.directory)
+        except Exception as e:
+            self._count_error("spool_recreate", e)
 
     # ------------------------------------------------------------ pieces
 
