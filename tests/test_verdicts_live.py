@@ -79,3 +79,27 @@ def test_demo_finds_the_culprit_and_cleans_up() -> None:
     assert leftovers == set()
     ps = subprocess.run(["pgrep", "-f", "frexporter.demo.rank"], capture_output=True, text=True)
     assert ps.stdout.strip() == ""
+
+
+def test_exporter_restarted_during_a_hang_has_the_verdict_back_within_two_polls(job_factory,
+                                                                                  exporter_factory) -> None:
+    job = job_factory("blocked", 2, env={"JOB_TIMEOUT": "120"})
+    job.wait_ready()
+    first = exporter_factory(job.spool, stuck_after=2.0)
+    wait_for(lambda: first.snapshot.verdicts, timeout=20, what="a verdict")
+    first.app.stop()
+    from frexporter.app import build_app
+
+    app = build_app(directory=str(job.spool), port=0, poll_interval=0.2, rank_timeout=1.0, nvml=False,
+                    stuck_after=2.0, evidence_dir="")
+    verdicts_per_poll: list[tuple] = []
+    app.exporter.poll_listeners.append(lambda snap: verdicts_per_poll.append(snap.verdicts))
+    app.start()
+    try:
+        wait_for(lambda: len(verdicts_per_poll) >= 2, timeout=10, what="two polls")
+    finally:
+        app.stop()
+    # The rank's FR entries carry their creation times, so the age is known from the first deep read on.
+    first_with = next(i for i, v in enumerate(verdicts_per_poll) if v)
+    assert first_with < 2, verdicts_per_poll[:3]
+    assert verdicts_per_poll[first_with][0].ranks == (1,)
