@@ -15,7 +15,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     FREXPORTER_DIR=/run/frexporter
 COPY --from=build /dist /tmp/dist
-RUN pip install --no-cache-dir /tmp/dist/*.whl \
+RUN pip install --no-cache-dir "$(ls /tmp/dist/*.whl)[auth,otlp]" \
     && rm -rf /tmp/dist \
     && python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" \
     && groupadd --system --gid 65532 nonroot \

@@ -14,6 +14,7 @@ from frexporter.exporter import Exporter, Source
 from frexporter.server import MetricsServer
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from frexporter.verdict_events import VerdictEvents
+from frexporter.webconfig import WebConfig, check_debug_exposure
 
 if TYPE_CHECKING:
     from frexporter.outputs.otlp import OtlpPusher
@@ -64,11 +65,22 @@ def build_app(
     otlp_protocol: str | None = None,
     evidence_dir: str | None = None,
     evidence_stacks: bool = False,
+    per_rank_durations: bool = False,
+    web_config: WebConfig | None = None,
+    debug_endpoints: bool = False,
 ) -> App:
-    """``evidence_dir``: None for ``<spool>/evidence``, "" to capture no evidence."""
+    """``evidence_dir``: None for ``<spool>/evidence``, "" to capture no evidence. ``per_rank_durations``: label
+    collective durations and bytes by rank (one histogram per rank, PG and op) instead of summing the node's.
+
+    ``web_config``: TLS and basic auth for every endpoint. ``debug_endpoints`` adds /api/v1/evidence; it
+    raises WebConfigError (a ValueError) on a non-loopback ``host`` unless TLS and authentication are on.
+    """
+    if debug_endpoints:
+        check_debug_exposure(host, web_config)
     ranks = RanksSource(
         RanksConfig(
-            directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval
+            directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval,
+            per_rank_durations=per_rank_durations,
         )
     )
     sources: list[tuple[Source, float]] = [(ranks, poll_interval)]
@@ -79,6 +91,7 @@ def build_app(
     exporter = Exporter(sources, poll_interval=poll_interval,
                         analyzer=make_analyzer(VerdictConfig(stuck_after=stuck_after)))
     evidence = None
+    target = ""
     if evidence_dir != "":
         target = evidence_dir or os.path.join(directory, spool.EVIDENCE_DIRNAME)
         evidence = EvidenceWriter(EvidenceConfig(directory=target, stacks=evidence_stacks))
@@ -91,5 +104,6 @@ def build_app(
         otlp = OtlpPusher(otlp_endpoint, interval=otlp_interval, protocol=otlp_protocol, hostname=exporter.hostname)
         exporter.poll_listeners.append(otlp.observe)
         exporter.extra_sources.append(otlp.status)
-    server = MetricsServer(exporter, host, port)
+    server = MetricsServer(exporter, host, port, web_config=web_config, debug_endpoints=debug_endpoints,
+                           evidence_dir=target)
     return App(exporter=exporter, server=server, otlp=otlp, events=events)

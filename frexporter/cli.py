@@ -15,6 +15,7 @@ DEFAULT_LISTEN = ":9477"
 DEFAULT_POLL_INTERVAL = 1.0
 DEFAULT_STUCK_AFTER = 60.0
 DEFAULT_RANK_TIMEOUT = 2.0
+SPOOL_RECHECK_SECONDS = 1.0
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -72,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "'' to disable)")
     serve.add_argument("--evidence-stacks", action="store_true",
                        help="also capture py-spy stacks of culprit ranks in evidence (needs py-spy and ptrace)")
+    serve.add_argument("--web-config", default=None, metavar="FILE",
+                       help="TLS and basic auth for every endpoint, from a Prometheus exporter-toolkit web config "
+                            "file (tls_server_config, basic_auth_users, http_server_config); see SECURITY.md")
+    serve.add_argument("--enable-debug-endpoints", action="store_true",
+                       help="serve /api/v1/evidence (the evidence bundles and their verdicts); refused on a "
+                            "non-loopback --listen unless --web-config sets up TLS and authentication")
+    serve.add_argument("--strict-permissions", action="store_true",
+                       help="refuse to run (exit 2) when the spool directory is writable by others or its files "
+                            "are open to every user, instead of logging a warning")
     serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
                        help="also push the metrics over OTLP: http://HOST:4318 (HTTP/protobuf) or grpc://HOST:4317")
     serve.add_argument("--otlp-protocol", choices=["http/protobuf", "grpc"], default=None,
@@ -128,31 +138,77 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from frexporter.app import build_app
 
+    log = logging.getLogger("frexporter")
+    warning = root_warning(os.geteuid())
+    if warning:
+        log.warning("%s", warning)
     directory = args.dir or spool.default_dir()
-    if not os.path.isdir(directory):
+    spool_pending = not os.path.isdir(directory)
+    if spool_pending:
         print(f"frexporter: spool directory {directory} does not exist yet; waiting for ranks to create it",
               file=sys.stderr)
+    elif not _spool_permissions_ok(directory, args.strict_permissions):
+        return 2
+    web_config = None
+    if args.web_config:
+        from frexporter.webconfig import WebConfigError, load_web_config
+
+        try:
+            web_config = load_web_config(args.web_config)
+        except WebConfigError as e:
+            print(f"frexporter: --web-config: {e}", file=sys.stderr)
+            return 2
+        if web_config.basic_auth_users and web_config.tls is None:
+            log.warning("%s has basic_auth_users but no tls_server_config: passwords cross the network in clear "
+                        "text", args.web_config)
     host, port = args.listen
     try:
         app = build_app(directory=directory, host=host, port=port, poll_interval=args.poll_interval,
                         stuck_after=args.stuck_after, rank_timeout=args.rank_timeout, nvml=not args.no_nvml,
                         otlp_endpoint=args.otlp_endpoint, otlp_interval=args.otlp_interval,
                         otlp_protocol=args.otlp_protocol, evidence_dir=args.evidence_dir,
-                        evidence_stacks=args.evidence_stacks)
+                        evidence_stacks=args.evidence_stacks, web_config=web_config,
+                        debug_endpoints=args.enable_debug_endpoints)
     except OSError as e:
         print(f"frexporter: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    except ValueError as e:  # OtlpConfigError: a bad --otlp-* value or the exporter package is missing
+    except ValueError as e:  # OtlpConfigError, or WebConfigError: debug endpoints exposed without TLS and auth
         print(f"frexporter: {e}", file=sys.stderr)
         return 2
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     app.start()
-    logging.getLogger("frexporter").info("serving on http://%s:%d/ (spool %s)", host, app.port, directory)
-    done.wait()
+    log.info("serving on %s://%s:%d/ (spool %s)", app.server.scheme, host, app.port, directory)
+    # A sidecar starts before its trainer creates the spool: check the directory once it appears.
+    while not done.wait(SPOOL_RECHECK_SECONDS if spool_pending else None):
+        if spool_pending and os.path.isdir(directory):
+            spool_pending = False
+            if not _spool_permissions_ok(directory, args.strict_permissions):
+                app.stop()
+                return 2
     app.stop()
     return 0
+
+
+def root_warning(euid: int) -> str | None:
+    """The one-time note for an exporter started as root, which it never needs."""
+    if euid != 0:
+        return None
+    return ("running as root, which frexporter serve does not need: run it as an unprivileged user (the image "
+            f"uses uid 65532); to read ranks of several users share the spool by group ({spool.GROUP_ENV}=1), "
+            "and for --evidence-stacks grant CAP_SYS_PTRACE rather than root")
+
+
+def _spool_permissions_ok(directory: str, strict: bool) -> bool:
+    problems = spool.check_permissions(directory)
+    for problem in problems:
+        if strict:
+            print(f"frexporter: unsafe spool permissions: {problem}", file=sys.stderr)
+        else:
+            logging.getLogger("frexporter").warning("unsafe spool permissions: %s (--strict-permissions refuses "
+                                                    "to run)", problem)
+    return not (strict and problems)
 
 
 def _run(args: argparse.Namespace) -> int:

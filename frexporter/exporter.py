@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from frexporter import naming
-from frexporter.model import NodeSnapshot, RankState, SourceStatus
+from frexporter.model import CollectiveStats, NodeSnapshot, RankState, SourceStatus
 from frexporter.sources.base import SourceError
 
 log = logging.getLogger("frexporter.exporter")
@@ -101,10 +101,13 @@ class Exporter:
             if track.last_run is None or now - track.last_run >= track.interval * 0.95:
                 self._collect(track, now)
         ranks: tuple[RankState, ...] = ()
+        collectives: tuple[CollectiveStats, ...] = ()
         gpus = None
         for track in self._tracks:
             if track.source.name == naming.SOURCE_RANKS and track.value is not None:
                 ranks = track.value
+                # Cumulative counters the ranks source keeps next to its per-poll rank states.
+                collectives = getattr(track.source, "collectives", ())
             elif track.source.name == naming.SOURCE_NVML:
                 gpus = track.value if track.up else None
         snapshot = NodeSnapshot(
@@ -124,6 +127,7 @@ class Exporter:
             )
             + tuple(self._extra_statuses()),
             gpus=gpus,
+            collectives=collectives,
         )
         if self.analyzer is not None:
             try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from frexporter.spool import RawPGStatus, SpoolError, parse_pg_status
+from frexporter.spool import INT_MAX, INT_MIN, RawPGStatus, SpoolError, parse_pg_status
 
 MAX_ENTRIES = 100_000
 
@@ -37,6 +37,8 @@ class FrEntry:
     output_sizes: tuple[tuple[int, ...], ...]
     input_dtypes: tuple[str, ...]
     output_dtypes: tuple[str, ...]
+    # When a CPU thread first saw the start event done; 0 when unset (always for gloo, and NCCL without timing).
+    time_discovered_started_ns: int = 0
 
     @property
     def op(self) -> str:
@@ -59,18 +61,29 @@ class FrDump:
 
 
 def _int(v: Any, default: int = 0) -> int:
+    """torch's 64-bit counters and times; anything else (NaN, inf, a pickled bignum) is the default."""
     if isinstance(v, bool):
         return int(v)
-    if isinstance(v, int):
-        return v
     if isinstance(v, str):
         try:
-            return int(v)
+            v = int(v)
         except ValueError:
             return default
-    if isinstance(v, float) and v == v:
-        return int(v)
+    elif isinstance(v, float) and v == v and abs(v) < 2.0**63:
+        v = int(v)
+    if isinstance(v, int) and INT_MIN <= v <= INT_MAX:
+        return v
     return default
+
+
+def _text(v: Any, limit: int) -> str:
+    """A scalar as bounded text. Containers are refused: a pickle can share one list under itself
+    many times, and ``str()`` of such a DAG is exponential in the file size."""
+    if isinstance(v, str):
+        return v[:limit]
+    if v is None or isinstance(v, (bool, float)) or (isinstance(v, int) and INT_MIN <= v <= INT_MAX):
+        return str(v)[:limit]
+    raise ValueError(f"expected text, got {type(v).__name__}")
 
 
 def _sizes(v: Any) -> tuple[tuple[int, ...], ...]:
@@ -86,7 +99,7 @@ def _sizes(v: Any) -> tuple[tuple[int, ...], ...]:
 def _strs(v: Any) -> tuple[str, ...]:
     if not isinstance(v, (list, tuple)):
         return ()
-    return tuple(str(x)[:32] for x in v[:64])
+    return tuple(_text(x, 32) for x in v[:64])
 
 
 def parse_entry(raw: Any) -> FrEntry:
@@ -94,7 +107,7 @@ def parse_entry(raw: Any) -> FrEntry:
         raise ValueError("entry is not an object")
     pg = raw.get("process_group")
     if isinstance(pg, (list, tuple)) and len(pg) >= 2:
-        pg_name, pg_desc = str(pg[0]), str(pg[1])
+        pg_name, pg_desc = _text(pg[0], 256), _text(pg[1], 256)
     else:
         raise ValueError("entry has no process_group")
     timeout = raw.get("timeout_ms")
@@ -102,14 +115,14 @@ def parse_entry(raw: Any) -> FrEntry:
     return FrEntry(
         record_id=_int(raw.get("record_id"), -1),
         pg_id=_int(raw.get("pg_id"), -1),
-        pg_name=pg_name[:256],
-        pg_desc=pg_desc[:256],
+        pg_name=pg_name,
+        pg_desc=pg_desc,
         collective_seq_id=_int(raw.get("collective_seq_id")),
         p2p_seq_id=_int(raw.get("p2p_seq_id")),
         op_id=_int(raw.get("op_id")),
-        profiling_name=str(raw.get("profiling_name", ""))[:128],
+        profiling_name=_text(raw.get("profiling_name", ""), 128),
         time_created_ns=_int(raw.get("time_created_ns")),
-        state=str(raw.get("state", ""))[:32],
+        state=_text(raw.get("state", ""), 32),
         retired=bool(raw.get("retired", False)),
         timeout_ms=_int(timeout) if isinstance(timeout, (int, float, str)) and not isinstance(timeout, bool)
         else None,
@@ -120,6 +133,7 @@ def parse_entry(raw: Any) -> FrEntry:
         output_sizes=_sizes(raw.get("output_sizes")),
         input_dtypes=_strs(raw.get("input_dtypes")),
         output_dtypes=_strs(raw.get("output_dtypes")),
+        time_discovered_started_ns=max(0, _int(raw.get("time_discovered_started_ns"))),
     )
 
 
@@ -129,7 +143,10 @@ def parse_dump(obj: Any, what: str = "FR dump") -> FrDump:
         raise SpoolError("invalid", f"{what}: expected an object")
     if "version" not in obj and "pg_status" not in obj and "entries" not in obj:
         raise SpoolError("foreign", f"{what}: not a Flight Recorder dump")
-    version = str(obj.get("version", ""))
+    try:
+        version = _text(obj.get("version", ""), 32)
+    except ValueError:
+        version = ""
     pg_status = parse_pg_status(obj.get("pg_status", {}), what) if "pg_status" in obj else {}
     raw_entries = obj.get("entries") or []
     if not isinstance(raw_entries, (list, tuple)):
@@ -142,11 +159,29 @@ def parse_dump(obj: Any, what: str = "FR dump") -> FrDump:
         except (ValueError, TypeError, OverflowError):
             dropped += 1
     dropped += max(0, len(raw_entries) - MAX_ENTRIES)
-    pg_config = obj.get("pg_config")
     return FrDump(
         version=version,
         pg_status=pg_status,
         entries=tuple(entries),
-        pg_config=pg_config if isinstance(pg_config, dict) else {},
+        pg_config=_pg_config(obj.get("pg_config")),
         dropped_entries=dropped,
     )
+
+
+def _pg_config(raw: Any) -> dict[str, dict[str, Any]]:
+    """``{name: {"name", "desc", "ranks": "<str of list>"}}`` with scalar values only, so that later
+    ``str()`` or ``json.loads`` of a value costs no more than its size."""
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, cfg in list(raw.items())[:MAX_ENTRIES]:
+        if not isinstance(name, str) or not isinstance(cfg, dict):
+            continue
+        clean = {}
+        for key, value in list(cfg.items())[:16]:
+            try:
+                clean[_text(key, 64)] = value if isinstance(value, str) else _text(value, 64)
+            except ValueError:
+                continue
+        out[name[:256]] = clean
+    return out

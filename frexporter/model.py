@@ -47,6 +47,11 @@ class PGState:
     last_progress: float | None  # unix seconds when last_completed last advanced (as observed)
     exact: bool  # False when p2p traffic made the collective-domain values come from an older deep read
     has_p2p: bool
+    # Straggler signal: mean seconds this rank enqueued the PG's collectives after the first local member did,
+    # over the last ``lateness_samples`` collectives (slowest tenth left out); None without local peers to
+    # compare with. See frexporter/sources/collectives.py.
+    lateness_seconds: float | None = None
+    lateness_samples: int = 0
 
     @property
     def size(self) -> int:
@@ -83,6 +88,34 @@ class RankState:
         return self.status in (RANK_OK, RANK_UNRESPONSIVE)
 
 
+# Upper bounds of frexporter_collective_duration_seconds (seconds): 100 us to 10 min, a factor of 2 to 6 apart,
+# 13 finite buckets. Collectives span small latency-bound all_reduces to multi-second all_gathers of large
+# shards; anything past 10 min has outlived the default NCCL watchdog anyway.
+DURATION_BUCKETS: tuple[float, ...] = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0,
+                                       600.0)
+
+
+@dataclass(frozen=True)
+class CollectiveStats:
+    """Completed collectives of one (job, PG, op) on this node, or of one rank with per-rank durations on.
+
+    Cumulative since the exporter first saw them: each FR entry counts once however many deep reads show it.
+    ``bucket_counts[i]`` counts durations <= ``DURATION_BUCKETS[i]`` (cumulative, like Prometheus' ``le``).
+    Only entries with a ``duration_ms`` (NCCL with timing) feed the duration fields; ``bytes`` counts every
+    completed entry whose input dtypes are known.
+    """
+
+    job_id: str
+    pg: str
+    pg_desc: str
+    op: str
+    rank: int | None  # None: summed over the node's ranks (the default)
+    bucket_counts: tuple[int, ...]
+    duration_sum: float
+    duration_count: int
+    bytes: int
+
+
 @dataclass(frozen=True)
 class SourceStatus:
     name: str
@@ -101,6 +134,7 @@ class NodeSnapshot:
     sources: tuple[SourceStatus, ...]
     gpus: Any = None  # frexporter.sources.nvml.GpuReading when the NVML source is on
     verdicts: tuple[Any, ...] = ()  # frexporter.analysis.verdicts.Verdict
+    collectives: tuple[CollectiveStats, ...] = ()
 
     @staticmethod
     def empty(hostname: str, now: float) -> NodeSnapshot:

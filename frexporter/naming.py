@@ -56,6 +56,9 @@ PG_LAST_PROGRESS_TIMESTAMP_SECONDS = PREFIX + "pg_last_progress_timestamp_second
 COLLECTIVE_DURATION_SECONDS = PREFIX + "collective_duration_seconds"
 COLLECTIVE_BYTES_TOTAL = PREFIX + "collective_bytes_total"
 
+# Straggler signal (per rank and PG; seconds, despite the name the issue gave it)
+RANK_STRAGGLER_SCORE = PREFIX + "rank_straggler_score"
+
 # Verdicts
 VERDICT = PREFIX + "verdict"
 
@@ -74,6 +77,8 @@ RANK_INFO_LABELS = (
 )
 PG_INFO_LABELS = (L_JOB_ID, L_RANK, L_PG, L_PG_DESC, L_SIZE, L_BACKEND)
 VERDICT_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_RANK, L_KIND, L_OP, L_SEQ)
+COLLECTIVE_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_OP)  # per node (the default)
+COLLECTIVE_RANK_LABELS = (L_JOB_ID, L_RANK, L_PG, L_PG_DESC, L_OP)  # per rank (opt-in)
 SOURCE_LABELS = (L_SOURCE,)
 SOURCE_ERROR_LABELS = (L_SOURCE, L_REASON)
 

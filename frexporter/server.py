@@ -1,25 +1,42 @@
-"""HTTP wiring: /metrics, /healthz, /api/v1/status, / over the exporter's latest snapshot."""
+"""HTTP wiring: /metrics, /healthz, /api/v1/status, / over the exporter's latest snapshot.
+
+With a web config (``serve --web-config``) every endpoint sits behind TLS and/or basic auth, /healthz
+included, as in exporter-toolkit. Debug endpoints (``/api/v1/evidence``) exist only when enabled.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import os
 import socket
+import ssl
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from frexporter import spool
+from frexporter.evidence import VERDICT_FILE
 from frexporter.exporter import Exporter
 from frexporter.outputs import exposition
 from frexporter.outputs.api import status_html, status_json
 from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.webconfig import BasicAuth, TLSContextSource, WebConfig
 
 log = logging.getLogger("frexporter.server")
+
+# A client that opens a connection and never finishes the TLS handshake must not hold a thread forever.
+HANDSHAKE_TIMEOUT = 10.0
+EVIDENCE_PATH = "/api/v1/evidence"
+MAX_VERDICT_FILE_BYTES = 1024 * 1024
+TEXT = "text/plain; charset=utf-8"
 
 
 class _Server(ThreadingHTTPServer):
@@ -27,11 +44,61 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     exporter: Exporter
     registry: CollectorRegistry
+    tls: TLSContextSource | None = None
+    auth: BasicAuth | None = None
+    extra_headers: dict[str, str] = {}
+    debug_endpoints: bool = False
+    evidence_dir: str = ""
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
         self._open: set[socket.socket] = set()
         self._open_lock = threading.Lock()
         super().__init__(address, handler)
+
+    def finish_request(self, request: socket.socket, client_address: Any) -> None:  # type: ignore[override]
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        # The handshake runs here, in the connection's own thread: in the accept loop a slow or
+        # malicious client would stall every other scrape.
+        tls_sock = self._handshake(request, client_address)
+        if tls_sock is None:
+            return
+        with self._open_lock:
+            self._open.discard(request)  # wrap_socket detached it; shut the TLS socket down instead
+            self._open.add(tls_sock)
+        try:
+            super().finish_request(tls_sock, client_address)
+        finally:
+            with self._open_lock:
+                self._open.discard(tls_sock)
+            with contextlib.suppress(OSError):
+                tls_sock.close()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A peer that vanishes mid-request (a TLS client closing without close_notify, a reset) is routine;
+        # socketserver would print a traceback to stderr for each one.
+        if isinstance(sys.exc_info()[1], OSError):
+            log.debug("connection from %s ended: %s", client_address, sys.exc_info()[1])
+            return
+        super().handle_error(request, client_address)
+
+    def _handshake(self, request: socket.socket, client_address: Any) -> ssl.SSLSocket | None:
+        assert self.tls is not None
+        tls_sock = None
+        try:
+            request.settimeout(HANDSHAKE_TIMEOUT)
+            tls_sock = self.tls.context().wrap_socket(request, server_side=True)
+            if not self.tls.config.peer_allowed(tls_sock.getpeercert()):
+                raise ssl.SSLError("client certificate has none of client_allowed_sans")
+            tls_sock.settimeout(None)
+            return tls_sock
+        except (OSError, ValueError) as e:  # ssl.SSLError and timeouts are OSErrors
+            # Debug level: anyone who can reach the port can cause these, and logs must not be theirs to fill.
+            log.debug("TLS handshake with %s failed: %s", client_address, e)
+            with contextlib.suppress(OSError):
+                (tls_sock or request).close()
+            return None
 
     def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
         with self._open_lock:
@@ -64,6 +131,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
         try:
+            auth = self.server.auth
+            # Before routing: an unauthenticated client learns nothing, not even which paths exist.
+            if auth is not None and not auth.check(self.headers.get("Authorization")):
+                self._send(401, b"Unauthorized\n", TEXT,
+                           {"WWW-Authenticate": 'Basic realm="frexporter", charset="UTF-8"'})
+                return
             if path == "/metrics":
                 accept = self.headers.get("Accept", "")
                 encoder, content_type = choose_encoder(accept)
@@ -77,28 +150,39 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, body, "application/json")
             elif path in ("/", "/index.html"):
                 self._send(200, status_html(self.server.exporter.snapshot).encode(), "text/html; charset=utf-8")
+            elif path == EVIDENCE_PATH:
+                self._evidence()
             else:
-                self._send(404, b"not found\n", "text/plain; charset=utf-8")
+                self._send(404, b"not found\n", TEXT)
         except BrokenPipeError:
             pass
         except Exception:
             log.exception("error serving %s", path)
-            self._send(500, b"internal error\n", "text/plain; charset=utf-8")
+            self._send(500, b"internal error\n", TEXT)
+
+    def _evidence(self) -> None:
+        if not self.server.debug_endpoints:
+            self._send(404, b"not found (debug endpoints are off: serve --enable-debug-endpoints)\n", TEXT)
+            return
+        directory = self.server.evidence_dir
+        body = {"enabled": bool(directory), "bundles": list_evidence(directory) if directory else []}
+        self._send(200, json.dumps(body, indent=1).encode(), "application/json")
 
     def _healthz(self) -> None:
         exporter = self.server.exporter
         age = time.time() - exporter.snapshot.time
         # Healthy while the poll loop keeps producing snapshots; a wedged loop is worth a restart.
         if exporter.polls > 0 and age <= max(10.0, 5 * exporter.poll_interval):
-            self._send(200, b"ok\n", "text/plain; charset=utf-8")
+            self._send(200, b"ok\n", TEXT)
         else:
-            self._send(503, f"poll loop stale ({age:.0f}s since last poll)\n".encode(),
-                       "text/plain; charset=utf-8")
+            self._send(503, f"poll loop stale ({age:.0f}s since last poll)\n".encode(), TEXT)
 
-    def _send(self, code: int, body: bytes, content_type: str) -> None:
+    def _send(self, code: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(code)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in {**self.server.extra_headers, **(headers or {})}.items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
@@ -106,14 +190,83 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.address_string(), *args)
 
 
+def list_evidence(directory: str) -> list[dict[str, Any]]:
+    """The evidence bundles under ``directory``, newest first: name, size, and what their verdict says.
+
+    The directory sits in the spool, which ranks (other users in group mode) can write: every
+    verdict.json is read bounded and type-checked, and a bad one is listed with its error.
+    """
+    bundles = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        files, size = 0, 0
+        try:
+            with os.scandir(entry.path) as contents:
+                for item in contents:
+                    if item.is_file(follow_symlinks=False):
+                        files += 1
+                        size += item.stat(follow_symlinks=False).st_size
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue  # pruned while we looked
+        bundle: dict[str, Any] = {"name": entry.name, "bytes": size, "files": files, "modified": mtime}
+        try:
+            doc = spool.read_json_file(os.path.join(entry.path, VERDICT_FILE), MAX_VERDICT_FILE_BYTES)
+            bundle.update(_verdict_summary(doc))
+        except spool.SpoolError as e:
+            bundle["error"] = e.reason
+        bundles.append(bundle)
+    bundles.sort(key=lambda b: (b.get("captured_at") or b["modified"], b["name"]), reverse=True)
+    return bundles
+
+
+_VERDICT_FIELDS = {"kind": str, "job_id": str, "pg": str, "pg_desc": str, "op": str, "summary": str, "seq": int,
+                   "ranks": list, "waiting_ranks": list}
+
+
+def _verdict_summary(doc: Any) -> dict[str, Any]:
+    if not isinstance(doc, dict) or not isinstance(doc.get("verdict"), dict):
+        return {"error": "invalid"}
+    verdict = {}
+    for key, kind in _VERDICT_FIELDS.items():
+        value = doc["verdict"].get(key)
+        if isinstance(value, kind) and not isinstance(value, bool):
+            if isinstance(value, str):
+                value = value[:500]
+            elif isinstance(value, list):
+                value = [r for r in value[:1000] if isinstance(r, int) and not isinstance(r, bool)]
+            verdict[key] = value
+    out: dict[str, Any] = {"verdict": verdict}
+    captured = doc.get("captured_at")
+    if isinstance(captured, (int, float)) and not isinstance(captured, bool):
+        out["captured_at"] = float(captured)
+    return out
+
+
 class MetricsServer:
-    def __init__(self, exporter: Exporter, host: str, port: int) -> None:
+    def __init__(self, exporter: Exporter, host: str, port: int, web_config: WebConfig | None = None,
+                 debug_endpoints: bool = False, evidence_dir: str = "") -> None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(SnapshotCollector(lambda: exporter.snapshot))
+        # Built before binding: a bad certificate or a missing bcrypt must not leave a listening socket behind.
+        tls = TLSContextSource(web_config.tls) if web_config is not None and web_config.tls is not None else None
+        auth = BasicAuth(web_config.basic_auth_users) if web_config is not None and web_config.basic_auth_users \
+            else None
         server_class = _Server6 if ":" in host else _Server
         self.httpd = server_class((host, port), _Handler)
         self.httpd.exporter = exporter
         self.httpd.registry = registry
+        self.httpd.tls = tls
+        self.httpd.auth = auth
+        self.httpd.extra_headers = dict(web_config.headers) if web_config is not None else {}
+        self.httpd.debug_endpoints = debug_endpoints
+        self.httpd.evidence_dir = evidence_dir
+        self.scheme = "https" if tls is not None else "http"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="frexporter-http", daemon=True)
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import stat
@@ -33,14 +34,26 @@ EVIDENCE_DIRNAME = "evidence"  # the exporter's default evidence location inside
 
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 MAX_SNAPSHOT_BYTES = 1024 * 1024
+# Private mode (the default): one uid runs the ranks and the exporter.
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+SOCKET_MODE = 0o600
+# Group mode (FREXPORTER_SPOOL_GROUP=1), for Kubernetes pods whose trainer and exporter run as different
+# uids that share a group (fsGroup): setgid so every file takes the directory's group, sockets group-writable
+# because connecting to a unix socket needs write permission.
+GROUP_ENV = "FREXPORTER_SPOOL_GROUP"
+GROUP_DIR_MODE = 0o2770
+GROUP_FILE_MODE = 0o640
+GROUP_SOCKET_MODE = 0o660
 
 # Recorder names as they appear in snapshots: torch keeps one FR ring per kind.
 RECORDER_FR = "fr"  # the generic recorder (gloo and others), ``_dump_fr_trace*``
 RECORDER_NCCL = "nccl"  # ``_dump_nccl_trace*`` in CUDA builds
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+# torch keeps every counter, id and timestamp in 64 bits; a bigger number is garbage that would overflow
+# float() in the outputs, so the parsers refuse it here.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 
 
 class SpoolError(Exception):
@@ -69,21 +82,130 @@ def socket_name(stem: str) -> str:
     return "s" + hashlib.sha1(stem.encode()).hexdigest()[:12] + SOCKET_SUFFIX
 
 
+def group_mode() -> bool:
+    """Whether the spool is shared by a group (``FREXPORTER_SPOOL_GROUP=1``) rather than private to one user."""
+    return os.environ.get(GROUP_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def dir_mode() -> int:
+    return GROUP_DIR_MODE if group_mode() else DIR_MODE
+
+
+def file_mode() -> int:
+    return GROUP_FILE_MODE if group_mode() else FILE_MODE
+
+
+def socket_mode() -> int:
+    return GROUP_SOCKET_MODE if group_mode() else SOCKET_MODE
+
+
 def ensure_dir(path: str) -> None:
-    """Create the spool directory private to this user (0700)."""
-    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    """Create the spool directory private to this user (0700), or to its group in group mode (2770)."""
+    mode = dir_mode()
+    os.makedirs(path, mode=mode & 0o777, exist_ok=True)
     st = os.stat(path)
-    if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != DIR_MODE:
-        os.chmod(path, DIR_MODE)
+    # mkdir drops the setgid bit and applies the umask: set the mode explicitly when the directory is ours.
+    if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
+
+
+@dataclass(frozen=True)
+class PermissionProblem:
+    """One way the spool is more open than the recorder would make it, with the command that fixes it."""
+
+    path: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.problem}; fix: {self.fix}"
+
+
+MAX_CHECKED_ENTRIES = 10000
+
+
+def check_permissions(directory: str, group: bool | None = None, uid: int | None = None,
+                      gids: set[int] | None = None) -> list[PermissionProblem]:
+    """What an exporter about to trust ``directory`` should know: who else can plant or read rank files.
+
+    A rank's files decide what the exporter reports, and its socket answers Flight Recorder dumps to
+    whoever connects, so the directory must not be writable by others and the files not readable by
+    everyone. Private mode wants the directory owned by this user (or root, which provisions it); group
+    mode (``group`` defaults to FREXPORTER_SPOOL_GROUP) wants it group-owned by one of this process's groups.
+    A missing directory is no problem: the ranks create it.
+    """
+    group = group_mode() if group is None else group
+    uid = os.getuid() if uid is None else uid
+    gids = ({os.getgid(), *os.getgroups()} if gids is None else gids)
+    want = f"chmod {GROUP_DIR_MODE:o} {directory}" if group else f"chmod {DIR_MODE:o} {directory}"
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        return [PermissionProblem(directory, f"cannot be inspected ({e.strerror or e})",
+                                  "give this user search permission on the directory and its parents")]
+    if not stat.S_ISDIR(st.st_mode):
+        return [PermissionProblem(directory, "is not a directory", "remove it, or point --dir at a directory")]
+    problems = []
+    mode = stat.S_IMODE(st.st_mode)
+    if group:
+        if st.st_gid not in gids:
+            problems.append(PermissionProblem(
+                directory, f"group-mode spool belongs to group {st.st_gid}, which this process is not in",
+                f"chgrp GROUP {directory} (the pods' fsGroup), or run the exporter with that group "
+                "(supplementalGroups)"))
+    elif st.st_uid not in (uid, 0):
+        problems.append(PermissionProblem(
+            directory, f"owned by uid {st.st_uid}, not by this user (uid {uid}) or root",
+            f"chown {uid} {directory}, run the exporter as uid {st.st_uid}, or share it by group "
+            f"({GROUP_ENV}=1 on both sides)"))
+    if mode & stat.S_IWOTH:
+        problems.append(PermissionProblem(
+            directory, f"world-writable (mode {mode:o}): any local user can plant a fake rank or replace a socket",
+            want))
+    elif mode & stat.S_IWGRP and not group:
+        problems.append(PermissionProblem(
+            directory, f"group-writable (mode {mode:o}) in private mode: the group can plant a fake rank",
+            f"{want}, or set {GROUP_ENV}=1 on the ranks and the exporter to share it by group on purpose"))
+    problems.extend(_check_entries(directory, want_group=group))
+    return problems
+
+
+def _check_entries(directory: str, want_group: bool) -> list[PermissionProblem]:
+    exposed: list[str] = []
+    try:
+        with os.scandir(directory) as entries:
+            for i, entry in enumerate(entries):
+                if i >= MAX_CHECKED_ENTRIES:
+                    break
+                if not entry.name.endswith((MANIFEST_SUFFIX, SNAPSHOT_SUFFIX, SOCKET_SUFFIX)):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # a rank replaced it meanwhile
+                if (stat.S_ISREG(st.st_mode) or stat.S_ISSOCK(st.st_mode)) and st.st_mode & stat.S_IRWXO:
+                    exposed.append(entry.name)
+    except OSError:
+        return []  # unreadable: the ranks source reports that as its own error
+    if not exposed:
+        return []
+    modes = f"{GROUP_FILE_MODE:o} (sockets {GROUP_SOCKET_MODE:o})" if want_group else f"{FILE_MODE:o}"
+    example = os.path.join(directory, sorted(exposed)[0])
+    more = f" and {len(exposed) - 1} more" if len(exposed) > 1 else ""
+    return [PermissionProblem(
+        example + more, "open to every local user: rank files and sockets (Flight Recorder dumps) leak to anyone",
+        f"chmod o-rwx {directory}/*; the recorder creates them {modes}")]
 
 
 def write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
-    """Write-then-rename so a reader never sees a half-written file; mode 0600."""
+    """Write-then-rename so a reader never sees a half-written file; mode 0600 (0640 in group mode)."""
     data = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
-        os.fchmod(fd, FILE_MODE)
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -96,16 +218,26 @@ def write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
 def read_json_file(path: str, max_bytes: int) -> Any:
     """Read a bounded JSON file, mapping every failure to a SpoolError with a reason."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        # O_NONBLOCK: a FIFO planted under a spool file name must not block the poll loop in open();
+        # fstat below then refuses everything that is not a regular file.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError as e:
         raise SpoolError("missing", f"{path}: vanished while reading") from e
     except PermissionError as e:
         raise SpoolError("permission", f"{path}: permission denied") from e
+    except OSError as e:
+        raise SpoolError("io", f"{path}: {e.strerror or e}") from e
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SpoolError("foreign", f"{path}: not a regular file")
+            data = f.read(max_bytes + 1)
     except IsADirectoryError as e:
         raise SpoolError("foreign", f"{path}: is a directory") from e
     except OSError as e:
         raise SpoolError("io", f"{path}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
     if len(data) > max_bytes:
         raise SpoolError("oversized", f"{path}: larger than the {max_bytes} byte limit")
     if not data:
@@ -115,6 +247,8 @@ def read_json_file(path: str, max_bytes: int) -> Any:
     except (UnicodeDecodeError, ValueError) as e:
         reason = "truncated" if data.lstrip()[:1] in (b"{", b"[") else "corrupt"
         raise SpoolError(reason, f"{path}: not valid JSON ({e})") from e
+    except RecursionError as e:  # nesting deeper than the interpreter's stack: no writer of ours does that
+        raise SpoolError("corrupt", f"{path}: JSON nested too deeply") from e
 
 
 # ---------------------------------------------------------------- typed views
@@ -199,10 +333,16 @@ class _Fields:
         return self._get(key, (str,), _REQUIRED if default is None else default)
 
     def int(self, key: str, default: Any = None) -> int:
-        return self._get(key, (int,), _REQUIRED if default is None else default)
+        value = self._get(key, (int,), _REQUIRED if default is None else default)
+        if not INT_MIN <= value <= INT_MAX:
+            raise SpoolError("invalid", f"{self.what}: field {key!r} is out of range")
+        return value
 
     def num(self, key: str, default: Any = None) -> float:
-        return float(self._get(key, (int, float), _REQUIRED if default is None else default))
+        value = _finite(self._get(key, (int, float), _REQUIRED if default is None else default))
+        if value is None:
+            raise SpoolError("invalid", f"{self.what}: field {key!r} is not a finite number")
+        return value
 
     def list(self, key: str, default: Any = None) -> list[Any]:
         return self._get(key, (list,), _REQUIRED if default is None else default)
@@ -212,6 +352,23 @@ class _Fields:
 
 
 _REQUIRED = object()
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (JSON admits NaN, Infinity and ints too big for a float)."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+def _int64(value: Any) -> int:
+    """A counter of torch's (an int, or a string of one in JSON dumps) that fits in 64 bits."""
+    out = int(value)
+    if not INT_MIN <= out <= INT_MAX:
+        raise ValueError(f"out of range: {value!r}")
+    return out
 
 
 def _check_format(obj: Any, expected: str, what: str) -> None:
@@ -229,13 +386,14 @@ def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
     for i, raw in enumerate(f.list("process_groups", [])[:4096]):
         p = _Fields(raw, f"{what}: process_groups[{i}]")
         ranks = p.list("ranks")
-        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+        if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r <= INT_MAX for r in ranks):
             raise SpoolError("invalid", f"{what}: process_groups[{i}].ranks must be non-negative integers")
         local_ids = {}
         for k, v in p.dict("local_ids", {}).items():
             if isinstance(v, int) and not isinstance(v, bool):
                 local_ids[str(k)] = v
-        timeout = p.obj.get("timeout_seconds")
+        raw_timeout = p.obj.get("timeout_seconds")
+        timeout = _finite(raw_timeout) if isinstance(raw_timeout, (int, float)) else None
         pgs.append(
             PGEntry(
                 name=p.str("name"),
@@ -243,7 +401,7 @@ def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
                 ranks=tuple(sorted(ranks)),
                 backend=p.str("backend", ""),
                 local_ids=local_ids,
-                timeout_seconds=float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None,
+                timeout_seconds=timeout if timeout is not None and timeout > 0 else None,
             )
         )
     rank = f.int("rank")
@@ -276,15 +434,15 @@ def parse_pg_status(raw: Any, what: str) -> dict[int, RawPGStatus]:
     out: dict[int, RawPGStatus] = {}
     for key, val in raw.items():
         try:
-            pg_id = int(key)
+            pg_id = _int64(key)
             if not isinstance(val, dict):
                 raise TypeError
             out[pg_id] = RawPGStatus(
-                enqueued=int(val.get("last_enqueued_collective", -1)),
-                started=int(val.get("last_started_collective", -1)),
-                completed=int(val.get("last_completed_collective", -1)),
+                enqueued=_int64(val.get("last_enqueued_collective", -1)),
+                started=_int64(val.get("last_started_collective", -1)),
+                completed=_int64(val.get("last_completed_collective", -1)),
             )
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise SpoolError("invalid", f"{what}: pg_status[{key!r}] is malformed") from e
     return out
 
@@ -299,7 +457,7 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
     errors = {
         str(k)[:64]: v
         for k, v in f.dict("errors", {}).items()
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT_MAX
     }
     return Snapshot(
         pid=f.int("pid"),

@@ -6,7 +6,8 @@ OUT.jsonl. Requests are decoded with the official opentelemetry-proto messages, 
 a collector would have received, not what our code meant to send.
 
 Row: transport, request (1, 2, ... in arrival order), metric, type (gauge/sum/...), unit, description, is_monotonic,
-temporality, attrs, value, time_unix_nano, start_time_unix_nano, resource, scope.
+temporality, attrs, value, time_unix_nano, start_time_unix_nano, resource, scope; histograms add count,
+bucket_counts and explicit_bounds (their value is the sum).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def rows(request: ms.ExportMetricsServiceRequest, transport: str, number: int) -
                         "start_time_unix_nano": dp.start_time_unix_nano, "resource": resource,
                         "scope": sm.scope.name,
                     })
+                    if kind == "histogram":
+                        out[-1].update({"count": dp.count, "bucket_counts": list(dp.bucket_counts),
+                                        "explicit_bounds": list(dp.explicit_bounds)})
     return out
 
 

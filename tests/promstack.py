@@ -6,7 +6,8 @@ session, where each test starts its own exporter, and evaluates ``render_rules(S
 posts every notification to an in-process webhook receiver that records it.
 
 Register with ``pytest_plugins = ["tests.promstack"]`` in tests/conftest.py and take the ``promstack``
-fixture. Missing binaries skip the tests, unless FREXPORTER_REQUIRE_TOOLS=1.
+fixture. Missing binaries skip the tests, unless FREXPORTER_REQUIRE_TOOLS=1. Outside pytest (benchmarks),
+``with running_stack(workdir) as stack:`` starts the same stack, optionally at another scale and interval.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -143,8 +145,11 @@ def _parse_rfc3339(text: str) -> float:
 class PromStack:
     """Handles of a running Prometheus + Alertmanager + webhook receiver."""
 
-    def __init__(self, workdir: Path, prometheus: str, alertmanager: str) -> None:
+    def __init__(self, workdir: Path, prometheus: str, alertmanager: str, scale: float = SCALE,
+                 interval: float = INTERVAL_S) -> None:
         self.workdir = workdir
+        self.scale = scale
+        self.interval = interval
         self.exporter_port = free_port()
         self.prom_url = f"http://127.0.0.1:{free_port()}"
         self.am_url = f"http://127.0.0.1:{free_port()}"
@@ -158,7 +163,7 @@ class PromStack:
         prometheus, alertmanager = self._bins
         self.webhook.start()
         rules = self.workdir / "frexporter.rules.yml"
-        rules.write_text(render_rules(SCALE), encoding="utf-8")
+        rules.write_text(render_rules(self.scale), encoding="utf-8")
         am_config = self.workdir / "alertmanager.yml"
         am_config.write_text(yaml.safe_dump({
             # "..." groups by every label: one notification per alert, nothing held back for a sibling.
@@ -169,8 +174,8 @@ class PromStack:
         }), encoding="utf-8")
         prom_config = self.workdir / "prometheus.yml"
         prom_config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": f"{INTERVAL_S:g}s", "evaluation_interval": f"{INTERVAL_S:g}s",
-                       "scrape_timeout": f"{INTERVAL_S:g}s"},
+            "global": {"scrape_interval": f"{self.interval:g}s", "evaluation_interval": f"{self.interval:g}s",
+                       "scrape_timeout": f"{self.interval:g}s"},
             "rule_files": [str(rules)],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [self.am_url.split("//")[1]]}]}]},
             "scrape_configs": [{"job_name": SCRAPE_JOB,
@@ -250,24 +255,44 @@ class PromStack:
         wait_for(up, timeout=timeout, interval=0.1, what=f"target 127.0.0.1:{self.exporter_port} up")
 
 
+class MissingTool(RuntimeError):
+    """Prometheus or Alertmanager is not on PATH."""
+
+
 def _binary(*names: str) -> str:
     for name in names:
         path = shutil.which(name)
         if path:
             return path
-    message = f"none of {', '.join(names)} on PATH (Debian: apt-get install prometheus prometheus-alertmanager)"
-    if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
-        pytest.fail(message + " and FREXPORTER_REQUIRE_TOOLS=1")
-    pytest.skip(message)
+    raise MissingTool(f"none of {', '.join(names)} on PATH "
+                      "(Debian: apt-get install prometheus prometheus-alertmanager)")
 
 
-@pytest.fixture(scope="session")
-def promstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromStack]:
-    prometheus = _binary("prometheus")
-    alertmanager = _binary("prometheus-alertmanager", "alertmanager")
-    stack = PromStack(tmp_path_factory.mktemp("promstack"), prometheus, alertmanager)
+def binaries() -> tuple[str, str]:
+    """Paths of prometheus and alertmanager; MissingTool when either is missing."""
+    return _binary("prometheus"), _binary("prometheus-alertmanager", "alertmanager")
+
+
+@contextmanager
+def running_stack(workdir: Path, scale: float = SCALE, interval: float = INTERVAL_S) -> Iterator[PromStack]:
+    """A started stack for the ``with`` block, stopped after it (also when it fails to start)."""
+    prometheus, alertmanager = binaries()
+    workdir.mkdir(parents=True, exist_ok=True)
+    stack = PromStack(workdir, prometheus, alertmanager, scale=scale, interval=interval)
     try:
         stack.start()
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="session")
+def promstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromStack]:
+    try:
+        binaries()
+    except MissingTool as e:
+        if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
+            pytest.fail(f"{e} and FREXPORTER_REQUIRE_TOOLS=1")
+        pytest.skip(str(e))
+    with running_stack(tmp_path_factory.mktemp("promstack")) as stack:
+        yield stack

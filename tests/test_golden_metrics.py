@@ -12,6 +12,7 @@ from frexporter import __version__
 from frexporter.model import (
     RANK_OK,
     RANK_UNRESPONSIVE,
+    CollectiveStats,
     InflightCollective,
     NodeSnapshot,
     PGState,
@@ -26,10 +27,11 @@ GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
 
 
 def pg(name: str, desc: str, enq: int, done: int, inflight: tuple[InflightCollective, ...] = (),
-       progress: float | None = 1700000000.0) -> PGState:
+       progress: float | None = 1700000000.0, lateness: float | None = None) -> PGState:
     return PGState(name=name, desc=desc, ranks=(0, 1), backend="cpu:gloo", last_enqueued=enq, last_started=-1,
                    last_completed=done, inflight=inflight, inflight_count=enq - done, timeout_seconds=1800.0,
-                   last_progress=progress, exact=True, has_p2p=False)
+                   last_progress=progress, exact=True, has_p2p=False, lateness_seconds=lateness,
+                   lateness_samples=0 if lateness is None else 200)
 
 
 def fixed_snapshot() -> NodeSnapshot:
@@ -39,12 +41,20 @@ def fixed_snapshot() -> NodeSnapshot:
         RankState(job_id="llm", rank=0, local_rank=0, world_size=2, hostname="node-a", pid=101,
                   torch_version="2.13.0+cpu", gpu_uuid="GPU-aaaa", status=RANK_OK, heartbeat=1700000200.0,
                   heartbeat_age=0.2, socket_alive=None,
-                  pgs=(pg("0", "default_pg", 8, 7, (stuck,)), pg("1", "tp", 3, 3)),
+                  pgs=(pg("0", "default_pg", 8, 7, (stuck,)), pg("1", "tp", 3, 3, lateness=0.0)),
                   recorder_errors={"OSError": 2}),
         RankState(job_id="llm", rank=1, local_rank=1, world_size=2, hostname="node-a", pid=102,
                   torch_version="2.13.0+cpu", gpu_uuid="GPU-bbbb", status=RANK_UNRESPONSIVE,
                   heartbeat=1700000150.0, heartbeat_age=50.2, socket_alive=True,
-                  pgs=(pg("0", "default_pg", 7, 7, progress=None), pg("1", "tp", 3, 3))),
+                  pgs=(pg("0", "default_pg", 7, 7, progress=None), pg("1", "tp", 3, 3, lateness=1.25))),
+    )
+    # Per node (no rank label): an NCCL-timed all_reduce with durations, a gloo broadcast with bytes only.
+    collectives = (
+        CollectiveStats(job_id="llm", pg="0", pg_desc="default_pg", op="all_reduce", rank=None,
+                        bucket_counts=(0, 0, 2, 5, 9, 10, 11, 11, 11, 11, 11, 11, 11), duration_sum=0.0625,
+                        duration_count=11, bytes=4 * 1024 * 11),
+        CollectiveStats(job_id="llm", pg="1", pg_desc="tp", op="broadcast", rank=None,
+                        bucket_counts=(0,) * 13, duration_sum=0.0, duration_count=0, bytes=6 * 2),
     )
     gpus = GpuReading(timestamp=1700000200.0, driver_version="550.54.15", gpus=(
         GpuState(index=0, uuid="GPU-aaaa", name="NVIDIA H100", utilization_ratio=0.97, memory_used_bytes=1 << 30,
@@ -56,7 +66,8 @@ def fixed_snapshot() -> NodeSnapshot:
                      last_success=1700000200.0),
         SourceStatus(name="nvml", up=True, duration_seconds=0.004, errors_total={}, last_success=1700000200.0),
     )
-    return NodeSnapshot(time=1700000200.0, hostname="node-a", ranks=ranks, sources=sources, gpus=gpus)
+    return NodeSnapshot(time=1700000200.0, hostname="node-a", ranks=ranks, sources=sources, gpus=gpus,
+                        collectives=collectives)
 
 
 def render() -> str:

@@ -317,11 +317,13 @@ def assert_hardened(sc: dict[str, Any]) -> None:
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
-def assert_exporter_container(c: dict[str, Any], mount: str = "/run/frexporter") -> None:
+def assert_exporter_container(c: dict[str, Any], mount: str = "/run/frexporter", spool_dir: str | None = None,
+                              group_mode: bool = True) -> None:
     args = c["args"]
     assert args[0] == "serve"
     flags = dict(zip(args[1::2], args[2::2], strict=False))
-    assert flags["--dir"] == mount
+    spool_dir = spool_dir or mount
+    assert flags["--dir"] == spool_dir
     assert flags["--listen"] == ":9477"
     assert float(flags["--poll-interval"]) > 0 and float(flags["--stuck-after"]) > 0
     assert c["ports"] == [{"name": "metrics", "containerPort": 9477, "protocol": "TCP"}]
@@ -329,8 +331,13 @@ def assert_exporter_container(c: dict[str, Any], mount: str = "/run/frexporter")
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["resources"] == {}
     assert_hardened(c["securityContext"])
-    assert c["volumeMounts"] == [{"name": "frexporter-spool", "mountPath": mount, "readOnly": True}]
-    assert env_of(c)["FREXPORTER_DIR"] == mount
+    # The spool read-only; evidence bundles go to their own writable emptyDir.
+    assert c["volumeMounts"] == [{"name": "frexporter-spool", "mountPath": mount, "readOnly": True},
+                                 {"name": "frexporter-evidence", "mountPath": "/var/lib/frexporter/evidence"}]
+    assert c["args"][c["args"].index("--evidence-dir") + 1] == "/var/lib/frexporter/evidence"
+    assert env_of(c)["FREXPORTER_DIR"] == spool_dir
+    # The exporter's permission check must expect the modes the recorder uses.
+    assert env_of(c).get("FREXPORTER_SPOOL_GROUP") == ("1" if group_mode else None)
 
 
 def canonical_rules() -> dict[str, Any]:
@@ -381,18 +388,24 @@ def test_daemonset_defaults(helm: str, jsonschema_mod: Any, tmp_path: Path) -> N
     assert pod["securityContext"]["runAsNonRoot"] is True
     for key in ("hostPID", "hostNetwork", "hostIPC", "shareProcessNamespace"):
         assert not pod.get(key), key
-    # The init container that hands the node directory to uid 65532: root, CHOWN/FOWNER only.
+    # The init container that hands the node directory to uid 65532 and the spool's group: root, CHOWN/FOWNER only.
     prepare = named(pod["initContainers"], "prepare-spool")
-    assert prepare["command"][-2:] == ["65532", "65532"]
+    assert prepare["command"][-3:] == ["65532", "65532", "2770"]
+    assert "supplementalGroups" not in pod["securityContext"]  # the spool's group is the exporter's own
     sc = prepare["securityContext"]
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
     assert not sc.get("privileged")
 
 
-def test_daemonset_prepare_spool_script_chowns(tmp_path: Path, helm: str) -> None:
-    """The init container's script, run here as it is rendered, on a directory of our own."""
-    docs = render(helm, tmp_path, {"securityContext": {"runAsUser": os.getuid(), "runAsGroup": os.getgid()}})
+@pytest.mark.parametrize(("group_mode", "mode"), [(True, 0o2770), (False, 0o700)])
+def test_daemonset_prepare_spool_script_chowns(tmp_path: Path, helm: str, group_mode: bool, mode: int) -> None:
+    """The init container's script, run here as it is rendered, on a directory of our own; the result
+    passes the exporter's own permission check."""
+    from frexporter import spool
+
+    docs = render(helm, tmp_path, {"securityContext": {"runAsUser": os.getuid(), "runAsGroup": os.getgid()},
+                                   "spool": {"groupMode": group_mode}})
     prepare = named(one(docs, "DaemonSet")["spec"]["template"]["spec"]["initContainers"], "prepare-spool")
     command = prepare["command"]
     assert command[:2] == ["python", "-c"]
@@ -401,8 +414,26 @@ def test_daemonset_prepare_spool_script_chowns(tmp_path: Path, helm: str) -> Non
     out = subprocess.run([sys.executable, "-c", command[2], str(spool_dir), *command[4:]],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert spool_dir.stat().st_mode & 0o777 == 0o700
+    assert spool_dir.stat().st_mode & 0o7777 == mode
     assert (spool_dir.stat().st_uid, spool_dir.stat().st_gid) == (os.getuid(), os.getgid())
+    assert spool.check_permissions(str(spool_dir), group=group_mode) == []
+
+
+def test_daemonset_spool_group(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
+    docs = render_valid(helm, jsonschema_mod, tmp_path, {
+        "spool": {"gid": 2000}, "podSecurityContext": {"runAsNonRoot": True, "supplementalGroups": [7]}})
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert named(pod["initContainers"], "prepare-spool")["command"][-3:] == ["65532", "2000", "2770"]
+    # The exporter joins the spool's group to read the ranks' 0640 files; the user's groups stay.
+    assert pod["securityContext"]["supplementalGroups"] == [7, 2000]
+    assert pod["securityContext"]["runAsUser"] == 65532  # values merge: the defaults stay
+    docs = render(helm, tmp_path, {"spool": {"gid": 2000}, "podSecurityContext": {"supplementalGroups": [2000]}})
+    assert one(docs, "DaemonSet")["spec"]["template"]["spec"]["securityContext"]["supplementalGroups"] == [2000]
+    docs = render_valid(helm, jsonschema_mod, tmp_path, {"spool": {"groupMode": False, "gid": 2000}})
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert named(pod["initContainers"], "prepare-spool")["command"][-3:] == ["65532", "65532", "700"]
+    assert "supplementalGroups" not in pod["securityContext"]
+    assert_exporter_container(named(pod["containers"], "frexporter"), group_mode=False)
 
 
 def test_daemonset_options(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
@@ -459,21 +490,24 @@ def test_sidecar_pytorchjob_example(helm: str, jsonschema_mod: Any, tmp_path: Pa
                                                              "emptyDir": {"sizeLimit": "64Mi"}}
         sidecar = named(pod["initContainers"], "frexporter")
         assert sidecar["restartPolicy"] == "Always"  # a native sidecar
-        assert_exporter_container(sidecar)
+        # The spool is a directory the recorder creates in the emptyDir, whose root kubelet makes world-writable.
+        assert_exporter_container(sidecar, spool_dir="/run/frexporter/spool")
         assert "--no-nvml" in sidecar["args"]
         trainer = named(pod["containers"], "pytorch")
         assert trainer["command"][:3] == ["frexporter", "run", "--"]
         assert trainer["volumeMounts"] == [{"name": "frexporter-spool", "mountPath": "/run/frexporter"}]
         env = env_of(trainer)
-        assert env["FREXPORTER_DIR"] == "/run/frexporter"
+        assert env["FREXPORTER_DIR"] == "/run/frexporter/spool"
+        assert env["FREXPORTER_SPOOL_GROUP"] == "1"
         assert env["FREXPORTER_SNAPSHOT_INTERVAL"] == "1"
         assert env["FREXPORTER_JOB_ID"] == {
             "fieldRef": {"fieldPath": "metadata.labels['training.kubeflow.org/job-name']"}}
         assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
         assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
-        # Same uid on both sides of the private spool.
-        assert pod["securityContext"]["runAsUser"] == sidecar["securityContext"]["runAsUser"]
+        # Group mode: the trainer runs as its own uid, and the pod's fsGroup (the emptyDir's group) is the sidecar's.
+        assert pod["securityContext"]["runAsUser"] != sidecar["securityContext"]["runAsUser"]
+        assert pod["securityContext"]["fsGroup"] == sidecar["securityContext"]["runAsGroup"]
 
 
 def test_sidecar_job_id_from_annotation(helm: str, tmp_path: Path) -> None:
@@ -619,6 +653,8 @@ def test_repo_dashboards_are_rendered(helm: str, tmp_path: Path) -> None:
     ({"image": {"tga": "1"}}, "image: Additional property tga is not allowed"),
     ({"prometheusRule": {"enabled": "true"}}, "prometheusRule.enabled: Invalid type. Expected: boolean"),
     ({"spool": {"hostPath": "run/frexporter"}}, "spool.hostPath: Does not match pattern '^/'"),
+    ({"spool": {"groupMode": "yes"}}, "spool.groupMode: Invalid type. Expected: boolean, given: string"),
+    ({"spool": {"gid": -1}}, "spool.gid: Must be greater than or equal to 0"),
 ])
 def test_schema_rejects(helm: str, tmp_path: Path, values: dict[str, Any], message: str) -> None:
     err = render_error(helm, tmp_path, values)
@@ -637,9 +673,12 @@ def test_schema_accepts_parent_chart_globals(helm: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("values", "expected"), [
-    ({}, ["daemonset mode", "run the training container as uid 65532", "WARNING: prometheusRule.enabled is false"]),
+    ({}, ["daemonset mode", "give the training pods group 65532 (supplementalGroups or fsGroup)",
+          "WARNING: prometheusRule.enabled is false"]),
+    ({"spool": {"groupMode": False}}, ["run the training container as uid 65532"]),
     ({"mode": "sidecar", **ALL_MONITORING}, ["Sidecar mode renders no workload", "PodMonitor rel-frexporter",
-                                             "PrometheusRule rel-frexporter holds the stuck-job alerts"]),
+                                             "PrometheusRule rel-frexporter holds the stuck-job alerts",
+                                             "Set the training pod's fsGroup to 65532"]),
 ])
 def test_notes(helm: str, tmp_path: Path, values: dict[str, Any], expected: list[str]) -> None:
     # helm template does not print NOTES.txt: render it through a ConfigMap in a copy of the chart.

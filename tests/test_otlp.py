@@ -155,6 +155,8 @@ EXPECTED_NAMES = {
     n.PG_TIMEOUT_SECONDS: ("frexporter.pg.timeout", "s", "gauge"),
     n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS: ("frexporter.pg.last_progress_timestamp", "s", "gauge"),
     n.COLLECTIVE_BYTES_TOTAL: ("frexporter.collective.bytes", "By", "counter"),
+    n.COLLECTIVE_DURATION_SECONDS: ("frexporter.collective.duration", "s", "histogram"),
+    n.RANK_STRAGGLER_SCORE: ("frexporter.rank.straggler_score", "", "gauge"),
     n.VERDICT: ("frexporter.verdict", "", "gauge"),
     n.GPU_INFO: ("frexporter.gpu.info", "", "gauge"),
     n.GPU_LOST: ("frexporter.gpu.lost", "", "gauge"),
@@ -178,8 +180,8 @@ EXPECTED_NAMES = {
 
 
 def test_every_metric_name_has_its_documented_otlp_name() -> None:
-    # The histogram has no sample-built OTLP form; build_info travels as the resource's service.version.
-    not_pushed = {n.BUILD_INFO, n.COLLECTIVE_DURATION_SECONDS}
+    # build_info travels as the resource's service.version.
+    not_pushed = {n.BUILD_INFO}
     names = {v for k, v in vars(n).items() if isinstance(v, str) and v.startswith(n.PREFIX) and k != "PREFIX"}
     assert names - not_pushed == set(EXPECTED_NAMES), "a metric was added to naming.py: document its OTLP name"
     for prometheus_name, (name, unit, kind) in EXPECTED_NAMES.items():
@@ -296,8 +298,34 @@ def test_push_carries_snapshot_values(receiver: Receiver, pushers: list[OtlpPush
 
 def prometheus_samples(snapshot: NodeSnapshot) -> Iterator[tuple[str, dict[str, str], float]]:
     for family in SnapshotCollector(lambda: snapshot).collect():
+        if family.type == "histogram":
+            continue  # compared series by series in prometheus_histograms
         for sample in family.samples:
             yield sample.name, sample.labels, sample.value
+
+
+def prometheus_histograms(snapshot: NodeSnapshot) -> dict[tuple[str, frozenset[tuple[str, Any]]], tuple[Any, ...]]:
+    """(OTLP name, attributes) -> (sum, count, per-bucket counts, bounds) of every Prometheus histogram series."""
+    out: dict[tuple[str, frozenset[tuple[str, Any]]], dict[str, Any]] = {}
+    for family in SnapshotCollector(lambda: snapshot).collect():
+        if family.type != "histogram":
+            continue
+        spec = otel_metric(family.name)
+        assert spec is not None and spec.kind == "histogram"
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k != "le"}
+            row = out.setdefault((spec.name, frozenset(labels.items())), {"buckets": []})
+            if sample.name.endswith("_bucket"):
+                row["buckets"].append((float(sample.labels["le"]), sample.value))
+            else:
+                row[sample.name.rsplit("_", 1)[1]] = sample.value
+    result = {}
+    for key, row in out.items():
+        cumulative = [count for _, count in sorted(row["buckets"])]
+        per_bucket = [b - a for a, b in zip([0.0, *cumulative], cumulative, strict=False)]
+        bounds = [le for le, _ in sorted(row["buckets"]) if le != float("inf")]
+        result[key] = (row["sum"], row["count"], per_bucket, bounds)
+    return result
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -306,7 +334,13 @@ def test_prometheus_and_otlp_agree_on_every_value(receiver: Receiver, pushers: l
     snapshot = rich_snapshot()
     rows = push(receiver, pushers, protocol, snapshot)
     got: dict[tuple[str, frozenset[tuple[str, Any]]], float] = {}
+    histograms = {(r["metric"], frozenset(r["attrs"].items())): (r["value"], r["count"], r["bucket_counts"],
+                                                                 r["explicit_bounds"])
+                  for r in rows if r["type"] == "histogram"}
+    assert histograms and histograms == prometheus_histograms(snapshot)
     for row in rows:
+        if row["type"] == "histogram":
+            continue
         attrs = {k: v for k, v in row["attrs"].items() if k not in GPU_EXTRA_KEYS}
         if row["metric"].startswith("hw."):
             assert row["attrs"]["hw.id"] == row["attrs"]["gpu_uuid"] and row["attrs"]["hw.type"] == "gpu"
@@ -330,7 +364,8 @@ def test_series_that_ended_are_not_pushed_again(receiver: Receiver, pushers: lis
     pushers.append(pusher)
     first = rich_snapshot()
     later = replace(fixed_snapshot(), time=first.time + 15,
-                    ranks=tuple(replace(r, job_id="next-job") for r in first.ranks))
+                    ranks=tuple(replace(r, job_id="next-job") for r in first.ranks),
+                    collectives=tuple(replace(c, job_id="next-job") for c in first.collectives))
     for snapshot in (first, later):
         pusher.observe(snapshot)
         mark = receiver.mark()

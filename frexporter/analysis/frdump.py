@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,13 +40,26 @@ class SafeUnpickler(pickle.Unpickler):
         )
 
 
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_memo_indexes(data: bytes) -> None:
+    """The C unpickler grows its memo table to the largest index a PUT names, so a 16-byte pickle can make
+    it allocate gigabytes. pickle numbers memo entries upwards from 0, one per opcode at most, so an index
+    past the opcodes read so far is refused before the real load (this pass costs a few times the load)."""
+    for count, (opcode, arg, _pos) in enumerate(pickletools.genops(data)):
+        if opcode.name in _MEMO_PUTS and arg > count:
+            raise pickle.UnpicklingError(f"memo index {arg} out of range at opcode {count}")
+
+
 def safe_loads(data: bytes) -> object:
     try:
+        _check_memo_indexes(data)
         return SafeUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError:
         raise
     except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError,
-            RecursionError) as e:
+            RecursionError, OverflowError) as e:  # OverflowError: a memo index past ssize_t
         raise pickle.UnpicklingError(f"corrupt pickle: {e}") from e
 
 
@@ -56,6 +70,8 @@ def decode(data: bytes, what: str) -> object:
             return json.loads(data)
         except ValueError as e:
             raise DumpError(f"{what}: invalid JSON ({e})") from e
+        except RecursionError as e:  # nesting deeper than the stack: no FR dump looks like that
+            raise DumpError(f"{what}: invalid JSON (nested too deeply)") from e
     try:
         return safe_loads(data)
     except pickle.UnpicklingError as e:

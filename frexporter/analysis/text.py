@@ -11,6 +11,17 @@ def seconds(value: float) -> str:
     return f"{max(0, round(value))}s"
 
 
+def seconds_fine(value: float) -> str:
+    """Sub-second precision where it matters: ``0s``, ``40ms``, ``1.5s``, ``12s``."""
+    if value >= 10:
+        return seconds(value)
+    if value >= 0.1:
+        return f"{value:.1f}s"
+    if value >= 0.0005:
+        return f"{round(value * 1000)}ms"
+    return "0s"
+
+
 def rank_list(ranks: Iterable[int]) -> str:
     """``0,1,2`` with runs of four or more folded (``4-7``); long lists end with the total."""
     values = sorted(set(ranks))

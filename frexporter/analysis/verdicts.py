@@ -36,7 +36,9 @@ from frexporter.analysis.findings import (
     unique_ranks,
     wedged_seconds,
 )
+from frexporter.analysis.gpu import gpu_facts
 from frexporter.analysis.graph import MISMATCH, PG, RANK, Cause, build, resolve
+from frexporter.analysis.straggler import Straggler, StragglerConfig, find_stragglers
 from frexporter.model import (
     RANK_DOWN,
     RANK_OK,
@@ -52,7 +54,7 @@ MISMATCH_KIND = "mismatch"
 STALLED = "stalled"
 RANK_DOWN_KIND = "rank_down"
 RANK_UNRESPONSIVE_KIND = "rank_unresponsive"
-STRAGGLER = "straggler"  # reserved: needs per-rank wait statistics the model does not carry yet
+STRAGGLER = "straggler"  # a rank consistently late to a PG's collectives (PGState.lateness_seconds)
 KINDS = (MISSING_RANK, MISMATCH_KIND, STALLED, RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND, STRAGGLER)
 
 DEFAULT_STUCK_AFTER = 60.0
@@ -68,6 +70,10 @@ class VerdictConfig:
 
     stuck_after: float = DEFAULT_STUCK_AFTER
     complete_view: bool = False
+    # Straggler: mean lateness above max(min_lateness, factor x the peers' median) over min_samples collectives.
+    straggler_min_lateness: float = StragglerConfig.min_lateness
+    straggler_factor: float = StragglerConfig.factor
+    straggler_min_samples: int = StragglerConfig.min_samples
 
 
 @dataclass(frozen=True)
@@ -341,8 +347,43 @@ def _phrase(cause: Cause, ctx: _Context) -> Verdict | None:
     return builder.deadlock()
 
 
-def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | None = None) -> tuple[Verdict, ...]:
-    """All verdicts for these ranks at ``now`` (unix seconds), sorted by job, PG, kind, culprits."""
+def _straggler(s: Straggler, ctx: _Context) -> Verdict:
+    worst = max(s.culprits, key=lambda r: s.lateness[r])
+    many = len(s.culprits) > 1
+    late = text.seconds_fine(s.lateness[worst]) + (f" (rank {worst})" if many else "")
+    host = "" if many else _host(ctx.rank(s.job_id, worst))
+    samples = min(s.samples[r] for r in s.culprits)
+    they = text.agree(s.culprits, "it", "they")
+    waits = (f", so {text.who(s.peers, capital=False)} {text.agree(s.peers, 'waits', 'wait')} for "
+             f"{text.agree(s.culprits, 'it', 'them')} every time" if s.peers else "")
+    summary = (f"{text.who(s.culprits)}{host} {text.agree(s.culprits, 'is a straggler', 'are stragglers')} on "
+               f"{text.pg_text(s.pg, s.pg_desc)}: over the last {samples} collectives {they} enqueued each "
+               f"{'up to ' if many else ''}{late} after the first local rank on average (peers: "
+               f"{text.seconds_fine(s.peer_median)} median){waits}. Not a hang: look for slow input, host CPU "
+               f"contention or a slowed GPU on {text.agree(s.culprits, 'that rank', 'those ranks')}.")
+    details = {"lateness_seconds": {str(r): v for r, v in sorted(s.lateness.items())},
+               "samples": {str(r): v for r, v in sorted(s.samples.items())},
+               "peer_median_seconds": s.peer_median, "threshold_seconds": s.threshold}
+    return Verdict(kind=STRAGGLER, job_id=s.job_id, pg=s.pg, pg_desc=s.pg_desc, ranks=s.culprits,
+                   waiting_ranks=s.peers, seq=NO_SEQ, op="", since=None, age_seconds=None,
+                   timeout_seconds=s.timeout_seconds, budget_used=None, summary=summary, details=details)
+
+
+def _with_gpu_facts(v: Verdict, ranks: Mapping[RankKey, RankState], gpus: Any) -> Verdict:
+    sentence, facts = gpu_facts(v.job_id, v.ranks, v.waiting_ranks, ranks, gpus, slowdown=v.kind == STRAGGLER)
+    if not facts:
+        return v
+    summary = f"{v.summary} {sentence}" if sentence else v.summary
+    return replace(v, summary=summary, details={**v.details, "gpu": facts})
+
+
+def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | None = None,
+             gpus: Any = None) -> tuple[Verdict, ...]:
+    """All verdicts for these ranks at ``now`` (unix seconds), sorted by job, PG, kind, culprits.
+
+    ``gpus``: the node's ``GpuReading`` (NVML); verdicts whose ranks run on its GPUs then carry GPU facts
+    in ``details["gpu"]`` and a sentence in the summary.
+    """
     config = config or VerdictConfig()
     states = unique_ranks(ranks)
     conditions = {key: condition(rank, now, config.stuck_after) for key, rank in states.items()}
@@ -355,11 +396,19 @@ def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | Non
     # collective (wedged while waiting: a victim, already counted among the waiting ranks of the root).
     linked = {(n.job_id, n.key) for n in graph.succ if n.kind == RANK}
     verdicts += [_lone_rank(_GONE_KINDS[conditions[key]], states[key], now) for key in sorted(gone - linked)]
+    # A PG with a hang verdict is described by it; its ranks' past lateness would only add noise.
+    hung = {(v.job_id, v.pg) for v in verdicts if v.pg}
+    straggler_config = StragglerConfig(config.straggler_min_lateness, config.straggler_factor,
+                                       config.straggler_min_samples)
+    verdicts += [_straggler(s, ctx) for s in find_stragglers(states, conditions, straggler_config)
+                 if (s.job_id, s.pg) not in hung]
+    if gpus is not None:
+        verdicts = [_with_gpu_facts(v, states, gpus) for v in verdicts]
     return tuple(sorted(verdicts, key=verdict_sort_key))
 
 
 def analyze_snapshot(snapshot: NodeSnapshot, config: VerdictConfig | None = None) -> tuple[Verdict, ...]:
-    return evaluate(snapshot.ranks, snapshot.time, config)
+    return evaluate(snapshot.ranks, snapshot.time, config, gpus=snapshot.gpus)
 
 
 def make_analyzer(config: VerdictConfig | None = None) -> Callable[[NodeSnapshot], tuple[Verdict, ...]]:

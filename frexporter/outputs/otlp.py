@@ -23,12 +23,14 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     Gauge,
+    Histogram,
+    HistogramDataPoint,
     Metric,
     MetricExporter,
     MetricExportResult,
@@ -40,6 +42,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from prometheus_client.core import Metric as PromMetric
 
 from frexporter import __version__
 from frexporter import naming as n
@@ -59,7 +62,7 @@ REASON_INTERNAL = "internal"  # a bug on our side: building or encoding the requ
 # Downward-API variables the Helm chart sets -> OpenTelemetry k8s resource attributes.
 K8S_ENV = (("POD_NAME", "k8s.pod.name"), ("POD_NAMESPACE", "k8s.namespace.name"), ("NODE_NAME", "k8s.node.name"))
 
-Kind = Literal["gauge", "counter", "updown"]
+Kind = Literal["gauge", "counter", "updown", "histogram"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ _ANNOTATIONS: Mapping[str, str] = {
     n.GPU_REMAPPED_ROWS: "{row}",
 }
 _NOT_PUSHED = frozenset({n.BUILD_INFO})  # the resource's service.version says it
+_HISTOGRAMS = frozenset({n.COLLECTIVE_DURATION_SECONDS})
 _NAMESPACE = n.PREFIX.rstrip("_")
 
 
@@ -136,7 +140,8 @@ def otel_metric(prometheus_name: str) -> OtelMetric | None:
             break
     head, _, rest = base.partition("_")
     name = f"{_NAMESPACE}.{head}.{rest}" if rest else f"{_NAMESPACE}.{head}"
-    return OtelMetric(name, unit, "counter" if counter else "gauge")
+    kind: Kind = "histogram" if prometheus_name in _HISTOGRAMS else "counter" if counter else "gauge"
+    return OtelMetric(name, unit, kind)
 
 
 def build_resource(hostname: str | None = None) -> Resource:
@@ -148,11 +153,48 @@ def build_resource(hostname: str | None = None) -> Resource:
     return Resource.create(attributes).merge(OTELResourceDetector().detect())
 
 
-def snapshot_metrics(snapshot: NodeSnapshot) -> Iterator[tuple[OtelMetric, str, dict[str, str], float]]:
-    """(metric, description, attributes, value) for every sample the Prometheus collector renders."""
+@dataclass(frozen=True)
+class HistogramValue:
+    """One Prometheus histogram series as OTLP wants it: per-bucket (not cumulative) counts, the last one
+    above the highest bound."""
+
+    count: int
+    sum: float
+    bucket_counts: tuple[int, ...]
+    bounds: tuple[float, ...]
+
+
+def _histogram_series(family: PromMetric) -> Iterator[tuple[dict[str, str], HistogramValue]]:
+    series: dict[tuple[tuple[str, str], ...], dict[str, Any]] = {}
+    for sample in family.samples:
+        labels = {k: v for k, v in sample.labels.items() if k != "le"}
+        row = series.setdefault(tuple(sorted(labels.items())), {"labels": labels, "buckets": [], "sum": 0.0})
+        if sample.name == family.name + "_bucket":
+            row["buckets"].append((float(sample.labels["le"]), sample.value))
+        elif sample.name == family.name + "_sum":
+            row["sum"] = float(sample.value)
+    for row in series.values():
+        cumulative = sorted(row["buckets"])
+        bounds = tuple(le for le, _ in cumulative if le != float("inf"))
+        counts, previous = [], 0.0
+        for _, value in cumulative:
+            counts.append(int(value - previous))
+            previous = value
+        yield row["labels"], HistogramValue(int(previous), row["sum"], tuple(counts), bounds)
+
+
+def snapshot_metrics(snapshot: NodeSnapshot) -> Iterator[tuple[OtelMetric, str, dict[str, str],
+                                                                float | HistogramValue]]:
+    """(metric, description, attributes, value) for every sample (a whole series for a histogram) the
+    Prometheus collector renders."""
     for family in SnapshotCollector(lambda: snapshot).collect():
-        # Histograms have no OTLP form built from samples here (none is rendered yet); a counter's
-        # *_created sample is not a value.
+        if family.type == "histogram":
+            spec = otel_metric(family.name)
+            if spec is not None:
+                for labels, value in _histogram_series(family):
+                    yield spec, spec.description or family.documentation, labels, value
+            continue
+        # A counter's *_created sample is not a value.
         wanted = {"gauge": family.name, "counter": family.name + "_total"}.get(family.type)
         for sample in family.samples:
             spec = otel_metric(sample.name) if sample.name == wanted else None
@@ -168,16 +210,29 @@ def snapshot_metrics(snapshot: NodeSnapshot) -> Iterator[tuple[OtelMetric, str, 
 def metrics_data(snapshot: NodeSnapshot, resource: Resource, start_time_ns: int) -> MetricsData:
     """One OTLP request for ``snapshot``; cumulative sums count from ``start_time_ns`` (when pushing began)."""
     time_ns = int(snapshot.time * 1e9)
-    grouped: dict[str, tuple[OtelMetric, str, list[NumberDataPoint]]] = {}
+    grouped: dict[str, tuple[OtelMetric, str, list[Any]]] = {}
     for spec, description, attributes, value in snapshot_metrics(snapshot):
         start = 0 if spec.kind == "gauge" else start_time_ns
-        point = NumberDataPoint(attributes=attributes, start_time_unix_nano=start, time_unix_nano=time_ns, value=value)
+        point: NumberDataPoint | HistogramDataPoint
+        if isinstance(value, HistogramValue):
+            # min and max are unknown (Prometheus buckets do not keep them): None leaves them unset.
+            point = HistogramDataPoint(attributes=attributes, start_time_unix_nano=start, time_unix_nano=time_ns,
+                                       count=value.count, sum=value.sum, bucket_counts=value.bucket_counts,
+                                       explicit_bounds=value.bounds, min=None, max=None)  # type: ignore[arg-type]
+        else:
+            point = NumberDataPoint(attributes=attributes, start_time_unix_nano=start, time_unix_nano=time_ns,
+                                    value=value)
         grouped.setdefault(spec.name, (spec, description, []))[2].append(point)
     metrics = []
     for name, (spec, description, points) in grouped.items():
-        data = Gauge(data_points=points) if spec.kind == "gauge" else Sum(
-            data_points=points, aggregation_temporality=AggregationTemporality.CUMULATIVE,
-            is_monotonic=spec.kind == "counter")
+        data: Gauge | Sum | Histogram
+        if spec.kind == "gauge":
+            data = Gauge(data_points=points)
+        elif spec.kind == "histogram":
+            data = Histogram(data_points=points, aggregation_temporality=AggregationTemporality.CUMULATIVE)
+        else:
+            data = Sum(data_points=points, aggregation_temporality=AggregationTemporality.CUMULATIVE,
+                       is_monotonic=spec.kind == "counter")
         metrics.append(Metric(name=name, description=description, unit=spec.unit, data=data))
     scope = InstrumentationScope("frexporter", __version__)
     return MetricsData(resource_metrics=[ResourceMetrics(

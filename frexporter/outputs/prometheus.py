@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from frexporter import __version__
 from frexporter import naming as n
-from frexporter.model import NodeSnapshot, PGState, RankState
+from frexporter.model import DURATION_BUCKETS, NodeSnapshot, PGState, RankState
+
+_LE = tuple(floatToGoString(b) for b in DURATION_BUCKETS)
 
 
 def _pg_labels(rank: RankState, pg: PGState) -> list[str]:
@@ -28,6 +31,7 @@ class SnapshotCollector(Collector):
         yield from self._sources(snap)
         yield from self._ranks(snap)
         yield from self._pgs(snap)
+        yield from self._collectives(snap)
         yield from self._verdicts(snap)
         if snap.gpus is not None:
             from frexporter.outputs.gpu_metrics import gpu_metric_families
@@ -97,6 +101,10 @@ class SnapshotCollector(Collector):
                                     labels=labels)
         progress = GaugeMetricFamily(n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS,
                                      "Unix time the completed sequence last advanced.", labels=labels)
+        straggler = GaugeMetricFamily(n.RANK_STRAGGLER_SCORE,
+                                      "Seconds the rank enqueues this PG's collectives after its first local peer, "
+                                      "mean over recent collectives (slowest tenth left out); only where the node "
+                                      "has several ranks of the PG.", labels=labels)
         for r in snap.ranks:
             for pg in r.pgs:
                 key = _pg_labels(r, pg)
@@ -113,7 +121,28 @@ class SnapshotCollector(Collector):
                     timeout.add_metric(key, pg.timeout_seconds)
                 if pg.last_progress is not None:
                     progress.add_metric(key, pg.last_progress)
-        yield from (info, enq, started, done, inflight, oldest, timeout, progress)
+                if pg.lateness_seconds is not None:
+                    straggler.add_metric(key, pg.lateness_seconds)
+        yield from (info, enq, started, done, inflight, oldest, timeout, progress, straggler)
+
+    @staticmethod
+    def _collectives(snap: NodeSnapshot) -> Iterator[Metric]:
+        per_rank = any(c.rank is not None for c in snap.collectives)
+        labels = list(n.COLLECTIVE_RANK_LABELS if per_rank else n.COLLECTIVE_LABELS)
+        durations = HistogramMetricFamily(
+            n.COLLECTIVE_DURATION_SECONDS, "Duration of completed collectives from their CUDA start/end events "
+            "(NCCL with TORCH_NCCL_ENABLE_TIMING=1 only; gloo records none).", labels=labels)
+        sizes = CounterMetricFamily(n.COLLECTIVE_BYTES_TOTAL,
+                                    "Bytes of the input tensors of completed collectives, as Flight Recorder "
+                                    "records them (counted on deep reads, so it lags).", labels=labels)
+        for c in snap.collectives:
+            key = [c.job_id, c.pg, c.pg_desc, c.op] if not per_rank else [
+                c.job_id, "" if c.rank is None else str(c.rank), c.pg, c.pg_desc, c.op]
+            if c.duration_count:
+                buckets = [*zip(_LE, c.bucket_counts, strict=True), ("+Inf", c.duration_count)]
+                durations.add_metric(key, buckets=buckets, sum_value=c.duration_sum)
+            sizes.add_metric(key, c.bytes)
+        yield from (durations, sizes)
 
     @staticmethod
     def _verdicts(snap: NodeSnapshot) -> Iterator[Metric]:

@@ -80,7 +80,7 @@ def start_worker_server(path: str) -> Any:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     server = ext._WorkerServer(path, -1)
-    os.chmod(path, spool.FILE_MODE)
+    os.chmod(path, spool.socket_mode())  # 0600, or 0660 in group mode so the exporter's group can connect
     return server
 
 

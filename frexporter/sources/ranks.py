@@ -16,7 +16,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from frexporter import frtrace, spool
 from frexporter.model import (
@@ -24,12 +24,14 @@ from frexporter.model import (
     RANK_EXITED,
     RANK_OK,
     RANK_UNRESPONSIVE,
+    CollectiveStats,
     InflightCollective,
     PGState,
     RankState,
 )
 from frexporter.sources import worker_client
 from frexporter.sources.base import SourceError
+from frexporter.sources.collectives import DEFAULT_WINDOW, CollectiveAccumulator, EntryCursor, GroupKey, LatenessTracker
 from frexporter.sources.progress import DeepView, translate
 from frexporter.spool import Manifest, PGEntry, RawPGStatus, Snapshot, SpoolError
 
@@ -50,6 +52,8 @@ class RanksConfig:
     deep_interval: float = 15.0  # least time between deep reads that only refresh settled values
     departed_grace: float = 300.0  # keep exporting a dead or exited rank this long
     max_workers: int = 8
+    per_rank_durations: bool = False  # collective durations and bytes per rank instead of per node
+    straggler_window: int = DEFAULT_WINDOW  # collectives per rank the lateness score averages over
 
 
 @dataclass
@@ -90,6 +94,9 @@ class _RankTrack:
     pgs: dict[str, _PGTrack] = field(default_factory=dict)  # pg name -> track
     prev_raw: dict[str, dict[int, RawPGStatus]] = field(default_factory=dict)
     departed_at: float | None = None
+    cursors: dict[str, EntryCursor] = field(default_factory=dict)  # recorder -> entries already handed over
+    group_keys: dict[tuple[str, str], GroupKey] = field(default_factory=dict)  # see RanksSource._group_keys
+    group_keys_of: Manifest | None = None
 
 
 class RanksSource:
@@ -103,6 +110,11 @@ class RanksSource:
         self._logged: set[tuple[str, str]] = set()
         self._pool = cf.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="frexporter-sock")
         self.errors: list[tuple[str, str]] = []  # (reason, message) of the current poll
+        self._collectives = CollectiveAccumulator(per_rank=config.per_rank_durations)
+        self._lateness = LatenessTracker(window=config.straggler_window)
+        # Completed collectives so far (durations, bytes), as of the last collect(); the exporter puts them
+        # in NodeSnapshot.collectives.
+        self.collectives: tuple[CollectiveStats, ...] = ()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -119,8 +131,12 @@ class RanksSource:
         self._schedule_socket_work(now)
         self._await_socket_work()
         tracks = sorted(self._ranks.values(), key=lambda t: (t.manifest.job_id, t.manifest.rank))
-        states = (self._rank_state(track, now) for track in tracks)
-        return tuple(s for s in states if s is not None)
+        states = tuple(s for s in (self._rank_state(track, now) for track in tracks) if s is not None)
+        live_jobs = {t.manifest.job_id for t in self._ranks.values()}
+        self._collectives.forget_jobs(live_jobs)
+        self._lateness.forget({key for t in self._ranks.values() for key in self._group_keys(t).values()})
+        self.collectives = self._collectives.snapshot()
+        return states
 
     # ------------------------------------------------------------------ files
 
@@ -336,6 +352,50 @@ class RanksSource:
                 pg.deep = view
                 pg.has_p2p = pg.has_p2p or view.has_p2p
             track.deep_raw[recorder] = dict(dump.pg_status)
+            self._absorb_entries(track, recorder, dump)
+
+    def _absorb_entries(self, track: _RankTrack, recorder: str, dump: frtrace.FrDump) -> None:
+        """Feed entries not seen before to the duration/bytes counters and the lateness tracker, once each."""
+        cursor = track.cursors.setdefault(recorder, EntryCursor(nccl=recorder == spool.RECORDER_NCCL))
+        settled, fresh, missed = cursor.take(dump.entries)
+        m = track.manifest
+        table = {pg.name: pg for pg in m.process_groups}
+        for entry in settled:
+            if entry.pg_name:
+                pg_entry = table.get(entry.pg_name)
+                self._collectives.add(m.job_id, m.rank, pg_entry.desc if pg_entry else entry.pg_desc, entry)
+        by_pg: dict[str, list[frtrace.FrEntry]] = {}
+        for entry in fresh:
+            if entry.pg_name in table:
+                by_pg.setdefault(entry.pg_name, []).append(entry)
+        keys = self._group_keys(track)
+        for name, entries in by_pg.items():
+            key = keys.get((recorder, name))
+            if key is not None:
+                self._lateness.observe(key, self._local_members(key), m.rank, entries)
+        if missed:
+            self._log_once(track, SourceError(
+                "fr_entries_missed", f"{track.stem}: {missed} {recorder} Flight Recorder entries left the ring "
+                "between two deep reads; collective durations and bytes undercount them (raise "
+                "TORCH_FR_BUFFER_SIZE or lower the deep interval)"))
+
+    @staticmethod
+    def _group_keys(track: _RankTrack) -> dict[tuple[str, str], GroupKey]:
+        """(recorder, PG name) -> lateness group key, built once per manifest version: the member list of a
+        WORLD group can hold thousands of ranks, too many to hash on every poll."""
+        m = track.manifest
+        if track.group_keys_of is not m:
+            # Per recorder: a cpu:gloo,cuda:nccl group counts collective seqs separately in each backend.
+            # The spool keeps member lists sorted, so equal groups hash equal.
+            track.group_keys = {(recorder, pg.name): (m.job_id, pg.name, hash(pg.ranks), recorder)
+                                for recorder in m.recorders for pg in m.process_groups}
+            track.group_keys_of = m
+        return track.group_keys
+
+    def _local_members(self, key: GroupKey) -> dict[int, int]:
+        """Local rank -> pid of every rank on this node whose PG table lists the group ``key``."""
+        return {t.manifest.rank: t.manifest.pid for t in self._ranks.values()
+                if self._group_keys(t).get((key[3], key[1])) == key}
 
     # ------------------------------------------------------------------ state
 
@@ -421,10 +481,17 @@ class RanksSource:
                     continue
                 chosen[name] = (recorder, pg_id, status)
         out = []
+        keys = self._group_keys(track) if self._lateness.scored else {}
         for name, (recorder, _pg_id, status) in sorted(chosen.items()):
             entry = table.get(name) or PGEntry(name=name, desc="", ranks=(), backend=recorder)
             pg = track.pgs.setdefault(name, _PGTrack())
-            out.append(self._pg_state(entry, pg, status, recorder, track, now))
+            state = self._pg_state(entry, pg, status, recorder, track, now)
+            key = keys.get((recorder, name))
+            if key is not None:
+                lateness, samples = self._lateness.score(key, track.manifest.rank)
+                if lateness is not None:
+                    state = replace(state, lateness_seconds=lateness, lateness_samples=samples)
+            out.append(state)
         return tuple(out)
 
     @staticmethod

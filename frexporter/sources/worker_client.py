@@ -113,6 +113,8 @@ def _parse_response(data: bytes, path: str, handler: str) -> bytes:
             length = int(headers[b"content-length"])
         except ValueError as e:
             raise SourceError("bad_response", f"{path}: bad Content-Length") from e
+        if length < 0:
+            raise SourceError("bad_response", f"{path}: bad Content-Length")
         if len(body) < length:
             raise SourceError("bad_response", f"{path}: truncated response to {handler}")
         body = body[:length]
@@ -134,6 +136,8 @@ def _dechunk(body: bytes, path: str) -> bytes:
             size = int(body[pos:line_end].split(b";")[0], 16)
         except ValueError as e:
             raise SourceError("bad_response", f"{path}: bad chunk size") from e
+        if size < 0:  # would move pos backwards: the same chunk line again, forever
+            raise SourceError("bad_response", f"{path}: bad chunk size")
         if size == 0:
             return bytes(out)
         start = line_end + 2

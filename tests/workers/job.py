@@ -151,6 +151,66 @@ elif scenario == "slow_rank0":
         if first:
             ready()
             first = False
+elif scenario == "straggler":
+    # A healthy job with a consistently late rank: before each of JOB_STEPS all_reduces rank 1 works
+    # JOB_LATE_SECONDS longer than the others, which wait for it in the collective every time.
+    late_seconds = float(os.environ.get("JOB_LATE_SECONDS", "0.15"))
+    for _ in range(int(os.environ.get("JOB_STEPS", "14"))):
+        if rank == 1:
+            time.sleep(late_seconds)
+        dist.all_reduce(t)
+    ready()
+    idle()
+elif scenario == "op_mismatch":
+    # Steps of compute and an all_reduce on WORLD. Once the test touches "mismatch", the last rank joins
+    # its next collective as an all_gather while the others all_reduce: gloo blocks every rank in the same
+    # seq (until the timeout), which only the op each rank recorded tells apart from a network stall.
+    import threading
+
+    threading.Thread(target=lambda: (idle(), os._exit(0)), daemon=True).start()
+    step_seconds = float(os.environ.get("JOB_STEP_SECONDS", "0.2"))
+    first = True
+    while True:
+        time.sleep(step_seconds)
+        if rank == world - 1 and os.path.exists(os.path.join(control, "mismatch")):
+            ready("mismatched")  # its mtime is when the mismatch began
+            dist.all_gather([torch.empty_like(t) for _ in range(world)], t)
+        else:
+            dist.all_reduce(t)
+        if first:
+            ready()
+            first = False
+elif scenario == "soak":
+    # A healthy job for false-positive soaks. Every step each rank computes a random while (up to
+    # JOB_JITTER_SECONDS), passes a tensor down a pipeline (send/recv) and all_reduces on WORLD. Every
+    # JOB_PAUSE_EVERY steps rank 0 works JOB_PAUSE_SECONDS more (evaluation, a checkpoint), alternately
+    # before the pipeline (the others wait in a p2p recv) and before the all_reduce (they wait in it).
+    import random
+    import threading
+
+    threading.Thread(target=lambda: (idle(), os._exit(0)), daemon=True).start()
+    rng = random.Random(rank)
+    jitter = float(os.environ.get("JOB_JITTER_SECONDS", "0.2"))
+    pause = float(os.environ.get("JOB_PAUSE_SECONDS", "1.0"))
+    pause_every = int(os.environ.get("JOB_PAUSE_EVERY", "10"))
+    step = 0
+    while True:
+        time.sleep(rng.uniform(0.0, jitter))
+        paused = rank == 0 and step % pause_every == pause_every - 1
+        before_pipeline = (step // pause_every) % 2 == 0
+        if paused and before_pipeline:
+            time.sleep(pause)
+        if rank > 0:
+            dist.recv(t, src=rank - 1)
+        if rank < world - 1:
+            dist.send(t, dst=rank + 1)
+        if paused and not before_pipeline:
+            time.sleep(pause)
+        t.fill_(1.0)  # keep the sums finite over hours of steps
+        dist.all_reduce(t)
+        step += 1
+        if step == 1:
+            ready()
 else:
     raise SystemExit(f"unknown scenario {scenario}")
 

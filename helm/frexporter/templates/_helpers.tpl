@@ -92,6 +92,34 @@ app.kubernetes.io/part-of: frexporter
 {{- end }}
 {{- end }}
 
+{{/* The group that shares the spool in group mode: spool.gid, else the exporter's group. */}}
+{{- define "frexporter.spoolGid" -}}
+{{- if kindIs "invalid" .Values.spool.gid }}
+{{- include "frexporter.runAsGroup" . }}
+{{- else }}
+{{- .Values.spool.gid | int64 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The spool directory (FREXPORTER_DIR). In sidecar mode a directory the recorder creates inside the
+emptyDir: kubelet makes an emptyDir's root world-writable (2777 with an fsGroup), which the exporter's
+permission check rightly reports; the recorder's own directory is 2770 (or 0700).
+*/}}
+{{- define "frexporter.spoolDir" -}}
+{{- if eq .Values.mode "sidecar" }}
+{{- printf "%s/spool" (trimSuffix "/" .Values.spool.mountPath) }}
+{{- else }}
+{{- .Values.spool.mountPath }}
+{{- end }}
+{{- end }}
+
+{{/* FREXPORTER_SPOOL_GROUP for the recorder and the exporter alike: both sides must agree on the modes. */}}
+{{- define "frexporter.spoolGroupEnv" -}}
+- name: FREXPORTER_SPOOL_GROUP
+  value: "1"
+{{- end }}
+
 {{/* Pod identity from the downward API, for the exporter and the training containers. */}}
 {{- define "frexporter.podIdentityEnv" -}}
 - name: POD_NAME
@@ -124,7 +152,7 @@ a Kubernetes native sidecar (an init container with restartPolicy Always, 1.29+)
   args:
     - serve
     - --dir
-    - {{ $v.spool.mountPath | quote }}
+    - {{ include "frexporter.spoolDir" $ | quote }}
     - --listen
     - {{ printf ":%d" (int $v.exporter.port) | quote }}
     - --poll-interval
@@ -136,12 +164,17 @@ a Kubernetes native sidecar (an init container with restartPolicy Always, 1.29+)
     {{- if ne (include "frexporter.nvmlEnabled" $) "true" }}
     - --no-nvml
     {{- end }}
+    - --evidence-dir
+    - {{ if $v.evidence.enabled }}{{ $v.evidence.mountPath | quote }}{{ else }}""{{ end }}
     {{- range $v.exporter.extraArgs }}
     - {{ . | quote }}
     {{- end }}
   env:
     - name: FREXPORTER_DIR
-      value: {{ $v.spool.mountPath | quote }}
+      value: {{ include "frexporter.spoolDir" $ | quote }}
+    {{- if $v.spool.groupMode }}
+    {{- include "frexporter.spoolGroupEnv" $ | nindent 4 }}
+    {{- end }}
     - name: FREXPORTER_LOG_LEVEL
       value: {{ $v.exporter.logLevel | quote }}
     {{- include "frexporter.podIdentityEnv" $ | nindent 4 }}
@@ -181,6 +214,10 @@ a Kubernetes native sidecar (an init container with restartPolicy Always, 1.29+)
     - name: {{ $v.spool.volumeName }}
       mountPath: {{ $v.spool.mountPath | quote }}
       readOnly: true
+    {{- if $v.evidence.enabled }}
+    - name: {{ $v.evidence.volumeName }}
+      mountPath: {{ $v.evidence.mountPath | quote }}
+    {{- end }}
 {{- end }}
 
 {{/*

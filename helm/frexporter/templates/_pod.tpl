@@ -53,6 +53,20 @@ Each renders YAML list items (or map entries for podLabels) at column 0.
     path: {{ .Values.spool.hostPath | quote }}
     type: DirectoryOrCreate
 {{- end }}
+{{- if and .Values.evidence.enabled (eq .Values.mode "sidecar") }}
+{{ include "frexporter.evidenceVolume" . }}
+{{- end }}
+{{- end }}
+
+{{/* Evidence bundles: written by the exporter, whose spool mount is read-only. */}}
+{{- define "frexporter.evidenceVolume" -}}
+{{- if .Values.evidence.enabled }}
+- name: {{ .Values.evidence.volumeName }}
+  emptyDir:
+    {{- with .Values.evidence.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The spool mount: one item for the training container's volumeMounts (read-write: the recorder writes there). */}}
@@ -64,7 +78,10 @@ Each renders YAML list items (or map entries for podLabels) at column 0.
 {{/* The recorder's environment: items for the training container's env. */}}
 {{- define "frexporter.trainingEnv" -}}
 - name: FREXPORTER_DIR
-  value: {{ .Values.spool.mountPath | quote }}
+  value: {{ include "frexporter.spoolDir" . | quote }}
+{{- if .Values.spool.groupMode }}
+{{ include "frexporter.spoolGroupEnv" . }}
+{{- end }}
 - name: FREXPORTER_SNAPSHOT_INTERVAL
   value: {{ toString .Values.recorder.snapshotInterval | quote }}
 {{- if .Values.recorder.jobIdAnnotation }}

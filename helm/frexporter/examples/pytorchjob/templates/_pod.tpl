@@ -9,7 +9,8 @@ spec:
     runAsNonRoot: true
     runAsUser: {{ .Values.uid }}
     runAsGroup: {{ .Values.uid }}
-    fsGroup: {{ .Values.uid }}
+    # The spool's group (frexporter's spool.groupMode): the emptyDir belongs to it.
+    fsGroup: {{ .Values.spoolGroup }}
   initContainers:
     # Native sidecar (Kubernetes 1.29+): starts before the trainer, stops after it.
     {{- include "frexporter.sidecar" $fr | nindent 4 }}

@@ -1,0 +1,438 @@
+"""Detection latency and false positives, end to end: real gloo jobs, the exporter, Prometheus, Alertmanager.
+
+    python -m benchmarks.detection                 # inject each fault, print the latency table
+    python -m benchmarks.detection --soak [SECONDS]  # a healthy, skewed job: count verdicts and alerts (0)
+
+For each fault a fresh job (its own job_id) runs under one exporter on the port the stack's Prometheus
+scrapes; the fault is injected through the job's control files (tests/workers/job.py) and timed from the
+moment the rank acted on it (its marker file's mtime, or the SIGKILLed process's exit) to
+
+- the first ``/api/v1/status`` of the exporter that carries the expected verdict naming the culprit, and
+- the first Alertmanager webhook POST of the matching alert (firing) for the job.
+
+The stack is tests/promstack.py: the shipped rules with every timing multiplied by ``--scale`` (0.1:
+the desync threshold of 30 s becomes 3 s), scraped and evaluated every ``--interval`` seconds. The
+exporter's ``stuck_after`` defaults to the scaled desync threshold, as in the e2e tests. All settings
+are printed with the results. Exit status 1 when a fault goes undetected or blames the wrong rank, or
+when the soak sees any verdict or alert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from frexporter import naming as n
+from frexporter.app import App, build_app
+from frexporter.rules import load_rules, parse_duration
+from frexporter.sources.ranks import RanksConfig
+from tests.harness import Job, wait_for
+from tests.promstack import INTERVAL_S, SCALE, PromStack, running_stack
+
+DESYNC = "FrexporterCollectiveDesync"
+STALLED = "FrexporterCollectiveStalled"
+BUDGET = "FrexporterWatchdogBudget"
+RANK_DOWN = "FrexporterRankDown"
+UNRESPONSIVE = "FrexporterRankUnresponsive"
+STATUS_POLL_S = 0.1  # resolution of the verdict latency
+SNAPSHOT_INTERVAL_S = 0.2  # FREXPORTER_SNAPSHOT_INTERVAL the harness gives the ranks
+HTTP_TIMEOUT_S = 5.0
+
+
+# --- the rules at the stack's scale ------------------------------------------------------------------------
+
+_SCALED = re.compile(r"([\d.]+)[\s)\]]*#\s*@scale")
+
+
+@dataclass(frozen=True)
+class Timing:
+    threshold: float | None  # the first scaled literal of the expression (seconds), if any
+    hold: float  # "for:"
+
+
+def rule_timings(scale: float) -> dict[str, Timing]:
+    out = {}
+    for group in load_rules(scale)["groups"]:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                found = _SCALED.search(rule["expr"])
+                out[rule["alert"]] = Timing(float(found[1]) if found else None, parse_duration(rule.get("for", "0s")))
+    return out
+
+
+# --- settings ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    scale: float
+    interval: float  # Prometheus scrape and rule evaluation interval
+    poll_interval: float  # exporter
+    stuck_after: float  # exporter
+    rules: dict[str, Timing] = field(hash=False)
+
+    def describe(self) -> str:
+        def rule(name: str) -> str:
+            t = self.rules[name]
+            if name == BUDGET:  # its scaled literal is a margin below half of each PG's own timeout
+                return f"{name} >= 0.5 x timeout - {t.threshold:g}s, for {t.hold:g}s"
+            return f"{name} {'' if t.threshold is None else f'>= {t.threshold:g}s, '}for {t.hold:g}s"
+
+        return "\n".join([
+            f"rule scale {self.scale:g} (shipped timings x {self.scale:g}); Prometheus scrape = evaluation interval "
+            f"{self.interval:g}s; Alertmanager group_wait = group_interval 1s",
+            f"exporter: poll interval {self.poll_interval:g}s, stuck_after {self.stuck_after:g}s, rank_timeout "
+            f"{RanksConfig.rank_timeout:g}s, nvml off; ranks: snapshot interval {SNAPSHOT_INTERVAL_S:g}s; "
+            f"verdicts polled every {STATUS_POLL_S:g}s",
+            "rules: " + "; ".join(rule(a) for a in (DESYNC, STALLED, BUDGET, RANK_DOWN, UNRESPONSIVE)),
+        ])
+
+
+# --- one watched job ---------------------------------------------------------------------------------------
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
+        return json.loads(resp.read())
+
+
+class Watched:
+    """A job under an exporter on the stack's scrape port, and Prometheus seeing all of its ranks up."""
+
+    def __init__(self, stack: PromStack, settings: Settings, workdir: Path, scenario: str, world: int,
+                 job_id: str, env: dict[str, str]) -> None:
+        self.stack = stack
+        self.job = Job(workdir, scenario, world, job_id=job_id,
+                       env={"FREXPORTER_SNAPSHOT_INTERVAL": f"{SNAPSHOT_INTERVAL_S:g}", **env})
+        self.settings = settings
+        self.app: App | None = None
+
+    def __enter__(self) -> Watched:
+        try:
+            self.job.start()
+            self.job.wait_ready()
+            since = time.time()
+            self.app = build_app(directory=str(self.job.spool), host="127.0.0.1", port=self.stack.exporter_port,
+                                 poll_interval=self.settings.poll_interval, stuck_after=self.settings.stuck_after,
+                                 nvml=False)
+            self.app.start()
+            self.stack.wait_target_up(since)
+            wait_for(lambda: len(self.stack.query(f'{n.RANK_UP}{{job_id="{self.job.job_id}"}} == 1'))
+                     == self.job.world, timeout=30, interval=0.2, what="Prometheus sees every rank up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.app is not None:
+            self.app.stop()
+            self.app = None
+        self.job.stop()
+
+    def verdicts(self) -> list[dict[str, Any]]:
+        assert self.app is not None
+        found: list[dict[str, Any]] = _get_json(f"http://127.0.0.1:{self.app.port}/api/v1/status")["verdicts"]
+        return [v for v in found if v["job_id"] == self.job.job_id]
+
+    def firing(self, alertname: str | None = None) -> list[tuple[float, dict[str, str]]]:
+        """(received, labels) of every firing notification for the job, oldest first."""
+        labels = {"job_id": self.job.job_id} | ({"alertname": alertname} if alertname else {})
+        return [(note.received, note.labels) for note in self.stack.webhook.notifications(**labels)
+                if note.status == "firing"]
+
+
+# --- faults ------------------------------------------------------------------------------------------------
+
+
+def _marker_time(job: Job, rank: int, tag: str) -> float:
+    job.wait_ready(tag, ranks=[rank], timeout=15)
+    return job.marker(rank, tag).stat().st_mtime
+
+
+def _skip(job: Job) -> float:
+    job.touch("skip")
+    return _marker_time(job, 3, "skipped")
+
+
+def _mismatch(job: Job) -> float:
+    job.touch("mismatch")
+    return _marker_time(job, job.world - 1, "mismatched")
+
+
+def _wedge(job: Job) -> float:
+    job.touch("wedge")
+    return _marker_time(job, 0, "wedged")
+
+
+def _kill(job: Job) -> float:
+    job.touch("kill")
+    wait_for(lambda: job.procs[1].poll() is not None, timeout=10, interval=0.005, what="rank 1 killed")
+    return time.time()
+
+
+def _no_env(_: Settings) -> dict[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # the verdict expected
+    what: str
+    scenario: str
+    world: int
+    inject: Callable[[Job], float]  # returns the unix time the fault took effect
+    culprit: int
+    alert: str
+    alert_labels: dict[str, str] = field(hash=False)  # the notification must carry these
+    env: Callable[[Settings], dict[str, str]] = _no_env
+    budget: bool = False  # also time FrexporterWatchdogBudget against the hung PG's watchdog timeout
+
+
+def _alert_wait(settings: Settings, alert: str) -> float:
+    """Longest a correct alert may take: threshold, hold, and a few scrapes, evaluations and AM rounds."""
+    timing = settings.rules[alert]
+    return (timing.threshold or 0.0) + timing.hold + 6 * settings.interval + 10.0
+
+
+def _job_timeout(settings: Settings, fault: Fault) -> float:
+    # gloo's (the watchdog's) timeout: far enough out for the fault's own alert to come first.
+    return max(60.0, 2 * _alert_wait(settings, fault.alert))
+
+
+FAULTS = (
+    Fault("missing_rank", "rank 3 skips an all_reduce on pair23", "pair_skip", 4, _skip, 3, DESYNC,
+          {"rank": "3", "pg_desc": "pair23"}, lambda s: {"JOB_STEP_SECONDS": "0.5"}, budget=True),
+    Fault("mismatch", "rank 2 all_gathers, ranks 0-1 all_reduce", "op_mismatch", 3, _mismatch, 2, STALLED,
+          {"pg_desc": "default_pg"}, lambda s: {"JOB_STEP_SECONDS": "0.2"}),
+    Fault("rank_unresponsive", "rank 0 holds the GIL in C", "gil", 2, _wedge, 0, UNRESPONSIVE, {"rank": "0"},
+          lambda s: {"JOB_GIL_SECONDS": f"{2 * _alert_wait(s, UNRESPONSIVE):g}"}),
+    Fault("rank_down", "rank 1 SIGKILLed", "kill", 2, _kill, 1, RANK_DOWN, {"rank": "1"}),
+)
+
+
+@dataclass
+class Budget:
+    """When FrexporterWatchdogBudget fired, as a fraction of the hung PG's timeout since its oldest wait."""
+
+    timeout: float
+    prometheus: float  # in Prometheus' /api/v1/alerts (state firing)
+    webhook: float | None = None
+
+
+@dataclass
+class Result:
+    fault: Fault
+    verdict_s: float | None = None
+    verdict: str = ""  # kind and culprits of the first verdict naming anyone, as seen
+    alert_s: float | None = None
+    alert_labels: dict[str, str] = field(default_factory=dict)
+    alerts: list[dict[str, str]] = field(default_factory=list)  # labels of every firing notification
+    budget: Budget | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def done(self) -> bool:
+        return self.verdict_s is not None and self.alert_s is not None and (
+            not self.fault.budget or (self.budget is not None and self.budget.webhook is not None))
+
+
+def _budget_fired(stack: PromStack, job_id: str) -> Budget | None:
+    for alert in stack.alerts(alertname=BUDGET, job_id=job_id):
+        if alert["state"] == "firing":
+            now = time.time()
+            sel = f'{{job_id="{job_id}",pg="{alert["labels"]["pg"]}"}}'
+            start = float(stack.query(f"min({n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS}{sel})")[0]["value"][1])
+            timeout = float(stack.query(f"max({n.PG_TIMEOUT_SECONDS}{sel})")[0]["value"][1])
+            return Budget(timeout, (now - start) / timeout)
+    return None
+
+
+def run_fault(stack: PromStack, settings: Settings, fault: Fault, workdir: Path) -> Result:
+    result = Result(fault)
+    job_id = f"detect-{fault.kind.replace('_', '-')}-{int(time.time())}"
+    timeout = _job_timeout(settings, fault)
+    env = {"JOB_TIMEOUT": f"{timeout:g}", "JOB_MAX_LIFETIME": f"{timeout + 120:g}", **fault.env(settings)}
+    wait = max(_alert_wait(settings, fault.alert), timeout / 2 + 10 * settings.interval if fault.budget else 0.0)
+    with Watched(stack, settings, workdir, fault.scenario, fault.world, job_id, env) as watched:
+        injected = fault.inject(watched.job)
+        deadline = time.time() + wait
+        while time.time() < deadline and not result.done:
+            now = time.time()
+            if result.verdict_s is None:
+                for v in watched.verdicts():
+                    result.verdict = result.verdict or f"{v['kind']} {v['ranks']}"
+                    if v["kind"] == fault.kind and fault.culprit in v["ranks"]:
+                        result.verdict_s = now - injected
+                        result.verdict = f"{v['kind']} {v['ranks']}"
+                        if v["ranks"] != [fault.culprit]:
+                            result.problems.append(f"verdict also blames {v['ranks']}")
+            if fault.budget and result.budget is None:
+                result.budget = _budget_fired(stack, job_id)
+            notes = watched.firing()
+            result.alerts = [labels for _, labels in notes]
+            for received, labels in notes:
+                if result.alert_s is None and _expected(fault, labels):
+                    result.alert_s = received - injected
+                    result.alert_labels = labels
+                if labels["alertname"] == BUDGET and result.budget is not None and result.budget.webhook is None:
+                    pg = f'{{job_id="{job_id}",pg="{labels["pg"]}"}}'
+                    start = float(stack.query(f"min({n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS}{pg})")[0][
+                        "value"][1])
+                    result.budget.webhook = (received - start) / result.budget.timeout
+            time.sleep(STATUS_POLL_S)
+        alive = [r for r, p in enumerate(watched.job.procs) if p.poll() is None]
+        if fault.kind != "rank_down" and len(alive) != fault.world:
+            result.problems.append(f"ranks exited early (gloo timeout?); alive {alive}")
+    if result.verdict_s is None:
+        result.problems.append(f"no {fault.kind} verdict naming rank {fault.culprit} (first seen: "
+                               f"{result.verdict or 'none'})")
+    if result.alert_s is None:
+        result.problems.append(f"no {fault.alert} {fault.alert_labels} at the webhook")
+    if fault.budget and (result.budget is None or result.budget.webhook is None):
+        result.problems.append(f"no {BUDGET} at the webhook")
+    # The watchdog budget alert names no rank and may follow any hang; anything else must be the expected one.
+    wrong = sorted({_short(labels) for labels in result.alerts
+                    if labels["alertname"] != BUDGET and not _expected(fault, labels)})
+    if wrong:
+        result.problems.append(f"other alerts fired: {wrong}")
+    return result
+
+
+def _expected(fault: Fault, labels: dict[str, str]) -> bool:
+    return labels["alertname"] == fault.alert and all(labels.get(k) == v for k, v in fault.alert_labels.items())
+
+
+def _short(labels: dict[str, str]) -> str:
+    return labels["alertname"] + "".join(f" {k}={labels[k]}" for k in ("rank", "pg_desc") if k in labels)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def print_table(results: list[Result], settings: Settings) -> None:
+    head = (f"{'fault':<18} {'injected':<40} {'verdict (first)':<22} {'verdict s':>9} {'- stuck':>7} "
+            f"{'alert':<27} {'alert s':>7}  labels")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        after = None if r.verdict_s is None else r.verdict_s - settings.stuck_after
+        labels = ",".join(f"{k}={r.alert_labels[k]}" for k in ("rank", "pg_desc", "severity") if k in r.alert_labels)
+        print(f"{r.fault.kind:<18} {r.fault.what:<40} {r.verdict:<22} {_cell(r.verdict_s):>9} "
+              f"{_cell(after) if r.fault.kind in ('missing_rank', 'mismatch') else '':>7} "
+              f"{r.fault.alert:<27} {_cell(r.alert_s):>7}  {labels}")
+    print()
+    print(f"Latencies in seconds from the rank acting on the fault (its marker's mtime, or the killed process's "
+          f"exit). '- stuck': verdict latency minus stuck_after ({settings.stuck_after:g}s); DESIGN §4 budget "
+          f"for missing_rank: two exporter polls ({2 * settings.poll_interval:g}s).")
+    for r in results:
+        if r.budget is not None:
+            webhook = "-" if r.budget.webhook is None else f"{100 * r.budget.webhook:.1f}%"
+            print(f"{BUDGET} ({r.fault.kind}, critical): fired in Prometheus at {100 * r.budget.prometheus:.1f}% "
+                  f"and reached the webhook at {webhook} of the {r.budget.timeout:g}s watchdog timeout, counted "
+                  "from the PG's oldest wait (DESIGN §4: before 50%)")
+    for r in results:
+        for problem in r.problems:
+            print(f"PROBLEM {r.fault.kind}: {problem}")
+
+
+# --- soak --------------------------------------------------------------------------------------------------
+
+
+def run_soak(stack: PromStack, settings: Settings, seconds: float, workdir: Path, world: int,
+             pause_fraction: float) -> bool:
+    pause = pause_fraction * settings.stuck_after
+    job_id = f"soak-{int(time.time())}"
+    # The shortest watchdog timeout the faults use: the budget alert gets the least room to misfire.
+    env = {"JOB_TIMEOUT": "60", "JOB_PAUSE_SECONDS": f"{pause:g}",
+           "JOB_JITTER_SECONDS": "0.3", "JOB_PAUSE_EVERY": "5", "JOB_MAX_LIFETIME": f"{seconds + 120:g}"}
+    print(f"soak: {world} gloo ranks, steps of 0-0.3s random compute + send/recv pipeline + all_reduce; every 5th "
+          f"step rank 0 pauses {pause:g}s ({pause_fraction:g} x stuck_after), alternately before the pipeline "
+          f"and before the all_reduce; watched {seconds:g}s", flush=True)
+    verdicts: dict[tuple[str, str, str, int], float] = {}
+    with Watched(stack, settings, workdir, "soak", world, job_id, env) as watched:
+        seq = f'max({n.PG_LAST_COMPLETED_SEQ}{{job_id="{job_id}",pg_desc="default_pg"}})'
+        first_seq = float(stack.query(seq)[0]["value"][1])
+        started = time.time()
+        while time.time() - started < seconds:
+            for v in watched.verdicts():
+                verdicts.setdefault((v["kind"], v["pg_desc"], json.dumps(v["ranks"]), v["seq"]),
+                                    time.time() - started)
+            time.sleep(STATUS_POLL_S)
+        span = int(time.time() - started) + 1
+        dead = [r for r, p in enumerate(watched.job.procs) if p.poll() is not None]
+        steps = float(stack.query(seq)[0]["value"][1]) - first_seq
+        age = f'max(time() - {n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS}{{job_id="{job_id}"}})'
+        longest = stack.query(f"max_over_time(({age})[{span}s:{settings.interval:g}s])")
+        alerts = stack.query(f'max_over_time(ALERTS{{job_id="{job_id}"}}[{span}s])')
+        exported = stack.query(f'max_over_time({n.VERDICT}{{job_id="{job_id}"}}[{span}s])')
+        notes = watched.firing()
+    pending = sorted({a["metric"]["alertname"] + "/" + a["metric"]["alertstate"] for a in alerts})
+    print(f"soak result: {steps:.0f} collective steps in {span}s; longest in-flight wait Prometheus saw "
+          f"{float(longest[0]['value'][1]) if longest else float('nan'):.2f}s (stuck_after {settings.stuck_after:g}s, "
+          f"desync threshold {settings.rules[DESYNC].threshold:g}s)")
+    print(f"  verdicts seen at /api/v1/status: {len(verdicts)}"
+          + "".join(f"\n    {k} at {t:.1f}s" for k, t in sorted(verdicts.items(), key=lambda kv: kv[1])))
+    print(f"  frexporter_verdict series in Prometheus: {len(exported)}")
+    print(f"  alerts fired (webhook): {len(notes)}" + "".join(f"\n    {labels}" for _, labels in notes))
+    print(f"  alerts pending or firing in Prometheus (ALERTS): {len(pending)} {pending if pending else ''}")
+    if dead:
+        print(f"  ranks {dead} exited during the soak")
+    return not (verdicts or exported or notes or alerts or dead)
+
+
+# --- main --------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.detection", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--soak", type=float, nargs="?", const=300.0, default=None, metavar="SECONDS",
+                        help="instead of the fault table, watch a healthy skewed job this long (default 300)")
+    parser.add_argument("--faults", nargs="+", choices=[f.kind for f in FAULTS], default=[f.kind for f in FAULTS])
+    parser.add_argument("--scale", type=float, default=SCALE, help=f"rule timing scale (default {SCALE:g})")
+    parser.add_argument("--interval", type=float, default=INTERVAL_S,
+                        help=f"Prometheus scrape and evaluation interval, seconds (default {INTERVAL_S:g})")
+    parser.add_argument("--poll-interval", type=float, default=0.5, help="exporter poll interval (default 0.5)")
+    parser.add_argument("--stuck-after", type=float, default=None,
+                        help="exporter stuck_after (default: the scaled FrexporterCollectiveDesync threshold)")
+    parser.add_argument("--soak-ranks", type=int, default=4)
+    parser.add_argument("--pause-fraction", type=float, default=0.5,
+                        help="rank 0's pauses in the soak, as a fraction of stuck_after (default 0.5)")
+    args = parser.parse_args(argv)
+    rules = rule_timings(args.scale)
+    threshold = rules[DESYNC].threshold
+    assert threshold is not None
+    settings = Settings(scale=args.scale, interval=args.interval, poll_interval=args.poll_interval,
+                        stuck_after=threshold if args.stuck_after is None else args.stuck_after, rules=rules)
+    print(settings.describe(), flush=True)
+    root = Path(tempfile.mkdtemp(prefix="frexporter-detection-"))
+    with running_stack(root / "stack", scale=args.scale, interval=args.interval) as stack:
+        if args.soak is not None:
+            return 0 if run_soak(stack, settings, args.soak, root / "soak", args.soak_ranks,
+                                 args.pause_fraction) else 1
+        results = []
+        for fault in FAULTS:
+            if fault.kind in args.faults:
+                print(f"injecting {fault.kind}: {fault.what} ...", flush=True)
+                results.append(run_fault(stack, settings, fault, root / fault.kind))
+        print()
+        print_table(results, settings)
+        return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1005 @@
+"""Fuzzing of every parser of outside data: spool files, FR dumps (JSON and pickle), worker-server and
+Prometheus answers.
+
+Each target takes bytes (the outside data as it arrives) and runs the parser plus what consumes its
+result. A case passes when it returns or raises one of the target's documented error types, its CPU
+time stays under the per-case budget, and nothing was imported or executed on the way (pickles).
+Anything else is a failure, reported with the input that caused it.
+
+Two engines:
+  hypothesis  structured generation (valid documents with one field mutated, random JSON, byte-level
+              mutations of valid files, pickles of arbitrary plain data, hostile pickles, huge/deep input)
+  atheris     coverage-guided libFuzzer (``pip install atheris``), seeded with the same valid files
+
+Run by hand: ``python -m benchmarks.fuzz --cases 100000 [--engine hypothesis|atheris|both] [--target NAME]``.
+Every (engine, target) runs in its own subprocess with a wall-clock limit, so a parser that hangs inside
+C code (where no Python signal handler can run) is reported as a hang instead of stalling the run.
+``tests/test_fuzz_slice.py`` runs a short deterministic hypothesis slice of the same targets in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import gc
+import json
+import math
+import os
+import pickle
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+from frexporter import frtrace, spool
+from frexporter.analysis import frdump, prom
+from frexporter.analysis.verdicts import VerdictConfig, evaluate
+from frexporter.sources import worker_client
+from frexporter.sources.base import SourceError
+from frexporter.sources.progress import translate
+from frexporter.spool import INT_MAX, INT_MIN, SpoolError
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
+REPO = Path(__file__).resolve().parent.parent
+CASE_CPU_BUDGET_S = 0.050  # per case, uninstrumented; inputs stay within the parsers' own size limits
+HANG_ALARM_S = 5.0  # a Python-level loop this long is a hang (C-level hangs: the worker's wall limit)
+MEMORY_LIMIT_BYTES = 4 << 30  # a runaway allocation in a worker becomes a MemoryError, not an OOM kill
+EXAMPLE_BYTES = 600  # how much of a failing input a report quotes
+
+# A pickle that reaches any of these has made the unpickler run code or import something.
+CANARY: list[str] = []
+# Modules loaded before a case; a case that adds one made a parser import something (json decoding
+# bytes in UTF-16/32 loads that codec from ``encodings``, which is no import a pickle asked for).
+_KNOWN_MODULES: set[str] = set()
+
+
+def _canary(*args: object) -> None:
+    CANARY.append(repr(args)[:80])
+
+
+class Skip(Exception):
+    """The input never reaches this parser in production (e.g. not JSON where JSON is decoded first)."""
+
+
+class Hang(BaseException):
+    """Raised by the per-case alarm; a BaseException so that no parser's ``except Exception`` eats it."""
+
+
+class Failure(Exception):
+    """A case broke the contract; ``signature`` groups failures with the same cause."""
+
+    def __init__(self, signature: str, detail: str) -> None:
+        super().__init__(f"{signature}: {detail}")
+        self.signature = signature
+        self.detail = detail
+
+
+# ------------------------------------------------------------------------------------------ seeds
+
+GLOO_ENTRY: dict[str, Any] = {
+    "record_id": 0, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": 1, "p2p_seq_id": 0,
+    "op_id": 1, "profiling_name": "gloo:all_reduce", "time_created_ns": 1795331103554771211,
+    "input_sizes": [[4, 3]], "input_dtypes": ["Float"], "output_sizes": [[4, 3]], "output_dtypes": ["Float"],
+    "state": "scheduled", "time_discovered_started_ns": 0, "time_discovered_completed_ns": 0, "retired": True,
+    "timeout_ms": 1800000, "is_p2p": False,
+}
+NCCL_ENTRY: dict[str, Any] = {
+    **GLOO_ENTRY, "record_id": 1, "pg_id": 1, "process_group": ["1", "tp"], "collective_seq_id": 7,
+    "profiling_name": "nccl:all_gather", "state": "started", "retired": False, "duration_ms": 1.5,
+    "timeout_ms": 600000, "frames": [{"name": "f", "filename": "x.py", "line": 3}],
+}
+P2P_ENTRY: dict[str, Any] = {
+    **GLOO_ENTRY, "record_id": 2, "collective_seq_id": 0, "p2p_seq_id": 4, "profiling_name": "gloo:send 0->1",
+    "is_p2p": True,
+}
+
+
+def json_dump_doc() -> dict[str, Any]:
+    """An FR dump as the JSON handlers return it: string ``pg_status`` values, list ``process_group``."""
+    return {
+        "version": "2.10",
+        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+        "pg_status": {"0": {"last_enqueued_collective": "2", "last_started_collective": "-1",
+                            "last_completed_collective": "1"},
+                      "1": {"last_enqueued_collective": "7", "last_started_collective": "7",
+                            "last_completed_collective": "6"}},
+        "entries": [GLOO_ENTRY, NCCL_ENTRY, P2P_ENTRY],
+    }
+
+
+def pickle_dump_doc() -> dict[str, Any]:
+    """The same dump as torch pickles it: int ``pg_status`` values, tuple ``process_group``, None times."""
+    doc = json_dump_doc()
+    doc["pg_status"] = {int(k): {f: int(v) for f, v in s.items()} for k, s in doc["pg_status"].items()}
+    doc["entries"] = [{**e, "process_group": tuple(e["process_group"]), "time_discovered_started_ns": None}
+                      for e in doc["entries"]]
+    return doc
+
+
+def manifest_doc() -> dict[str, Any]:
+    from tests import spoolgen
+
+    return spoolgen.manifest("job-7", 3, pgs=3, world=8, socket="s0123456789ab.sock")
+
+
+def snapshot_doc() -> dict[str, Any]:
+    from tests import spoolgen
+
+    doc = spoolgen.snapshot(100003, pgs=3, seq=12, counter=4, when=1.7e9)
+    doc["errors"] = {"snapshot_failed": 2}
+    return doc
+
+
+def prom_doc() -> dict[str, Any]:
+    def sample(metric: str, rank: int, pg: str, value: str) -> dict[str, Any]:
+        return {"metric": {"__name__": metric, "job_id": "j", "rank": str(rank), "pg": pg, "pg_desc": "default_pg",
+                           "hostname": "node-a", "local_rank": str(rank), "world_size": "2", "pid": "42"},
+                "value": [1.7e9, value]}
+
+    return {"status": "success", "data": {"resultType": "vector", "result": [
+        sample("frexporter_pg_last_enqueued_seq", 0, "0", "12"),
+        sample("frexporter_pg_last_enqueued_seq", 1, "0", "11"),
+        sample("frexporter_pg_oldest_inflight_start_timestamp_seconds", 0, "0", "1699999000.5"),
+        sample("frexporter_rank_up", 1, "0", "1"),
+    ]}}
+
+
+class _Reduce:
+    """Pickles as ``func(*args)``: how a hostile dump smuggles a call in."""
+
+    def __init__(self, func: Callable[..., object], *args: object) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[object, ...]]:
+        return self.func, self.args
+
+
+def _dag(depth: int) -> list[Any]:
+    """A list that holds the previous level twice: pickle memoizes it, so the file stays tiny while
+    ``str()`` of it (or any naive walk) is exponential in ``depth``."""
+    node: list[Any] = ["x"]
+    for _ in range(depth):
+        node = [node, node]
+    return node
+
+
+def hostile_pickles() -> list[bytes]:
+    exec_canary = "import benchmarks.fuzz as f; f.CANARY.append('exec')"
+    payloads: list[object] = [
+        _Reduce(_canary, "reduce"),
+        _Reduce(exec, exec_canary),
+        _Reduce(eval, "__import__('benchmarks.fuzz').fuzz._canary('eval')"),
+        {**pickle_dump_doc(), "entries": [{**GLOO_ENTRY, "profiling_name": _Reduce(_canary, "nested")}]},
+        {**pickle_dump_doc(), "version": _dag(60)},
+        {**pickle_dump_doc(), "pg_config": {"0": {"name": "0", "ranks": _dag(60)}}},
+        {**pickle_dump_doc(), "entries": [{**GLOO_ENTRY, "process_group": (_dag(60), "x")},
+                                          {**GLOO_ENTRY, "input_dtypes": [_dag(60)]}]},
+        {**pickle_dump_doc(), "entries": [GLOO_ENTRY] * 5000},  # memo refs: 5000 entries from a few bytes
+        {**pickle_dump_doc(), "version": 10**5000, "pg_status": {10**5000: {"last_enqueued_collective": 10**400}}},
+    ]
+    out = []
+    for payload in payloads:
+        for proto in (0, 2, 5):
+            with contextlib.suppress(ValueError):  # protocol 0 writes ints as text, limited to 4300 digits
+                out.append(pickle.dumps(payload, protocol=proto))
+    out += [
+        b"cbuiltins\nexec\n(V" + exec_canary.encode() + b"\ntR.",  # protocol 0 GLOBAL + REDUCE
+        b"(ibenchmarks.fuzz\n_canary\nS'inst'\n.",  # INST: instantiate by module and name
+        b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\x08builtins\x8c\x04exec\x93.",  # STACK_GLOBAL
+        b"\x80\x02X\x01\x00\x00\x00xQ.",  # BINPERSID without persistent_load
+        b"\x80\x02\x82\x01.",  # EXT1: the copyreg extension registry
+        b"\x80\x02}q\x00(X\x01\x00\x00\x00aq\x01h\x00u.",  # a dict that contains itself
+    ]
+    return out
+
+
+def pickle_seeds() -> list[bytes]:
+    docs = [pickle_dump_doc(), json_dump_doc(), {"version": "2.4", "pg_config": {}, "entries": ()}, [], {}, 0]
+    return [pickle.dumps(d, protocol=p) for d in docs for p in range(pickle.HIGHEST_PROTOCOL + 1)] + hostile_pickles()
+
+
+def http_seeds() -> list[bytes]:
+    body = json.dumps(json_dump_doc()).encode()
+    chunks = b"".join(f"{len(body[i:i + 100]):x}\r\n".encode() + body[i:i + 100] + b"\r\n"
+                      for i in range(0, len(body), 100))
+    return [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\npong",
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode() + b"\r\nConnection: keep-alive\r\n\r\n" + body,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: Chunked\r\n\r\n4;ext=1\r\npong\r\n0\r\nTrailer: x\r\n\r\n",
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\n\r\nnot found",
+        b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 14\r\n\r\nKeyError('0')",
+        b"HTTP/1.0 200 OK\r\n\r\nbody until EOF",
+    ]
+
+
+def chunk_seeds() -> list[bytes]:
+    return [b"4\r\npong\r\n0\r\n\r\n", b"4;x=y\r\npong\r\n2\r\nab\r\n0\r\n\r\n", b"0\r\n\r\n",
+            b"A\r\n0123456789\r\n0\r\n"]
+
+
+def _json(doc: object) -> bytes:
+    return json.dumps(doc).encode()
+
+
+# ------------------------------------------------------------------------------------------ invariants
+
+
+def _check_int(value: int, what: str) -> None:
+    if not (isinstance(value, int) and INT_MIN <= value <= INT_MAX):
+        raise Failure("invariant", f"{what} = {value!r:.80} is not a 64-bit int")
+
+
+def _check_float(value: float | None, what: str, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not (isinstance(value, float) and math.isfinite(value)):
+        raise Failure("invariant", f"{what} = {value!r:.80} is not a finite float")
+
+
+def _check_manifest(m: spool.Manifest) -> None:
+    for name in ("rank", "local_rank", "world_size", "pid", "fr_buffer_size", "generation"):
+        _check_int(getattr(m, name), f"manifest.{name}")
+    _check_float(m.start_time, "manifest.start_time")
+    if m.rank < 0:
+        raise Failure("invariant", "manifest.rank < 0")
+    for pg in m.process_groups:
+        _check_float(pg.timeout_seconds, "pg.timeout_seconds", optional=True)
+        for r in pg.ranks:
+            _check_int(r, "pg.ranks[]")
+    if "/" in m.socket:
+        raise Failure("invariant", f"manifest.socket {m.socket!r} leaves the spool directory")
+
+
+def _check_status(status: dict[int, spool.RawPGStatus], what: str) -> None:
+    for pg_id, s in status.items():
+        _check_int(pg_id, f"{what} pg id")
+        for name in ("enqueued", "started", "completed"):
+            _check_int(getattr(s, name), f"{what}[{pg_id}].{name}")
+
+
+def _check_snapshot(s: spool.Snapshot) -> None:
+    _check_int(s.pid, "snapshot.pid")
+    _check_int(s.counter, "snapshot.counter")
+    _check_float(s.time, "snapshot.time")
+    _check_float(s.interval, "snapshot.interval")
+    for recorder, status in s.status.items():
+        _check_status(dict(status), f"snapshot.status.{recorder}")
+    for reason, count in s.errors.items():
+        _check_int(count, f"snapshot.errors[{reason!r}]")
+
+
+def _check_dump(dump: frtrace.FrDump) -> None:
+    _check_status(dump.pg_status, "pg_status")
+    for e in dump.entries:
+        for name in ("record_id", "pg_id", "collective_seq_id", "p2p_seq_id", "op_id", "time_created_ns"):
+            _check_int(getattr(e, name), f"entry.{name}")
+        if e.timeout_ms is not None:
+            _check_int(e.timeout_ms, "entry.timeout_ms")
+        for shape in (*e.input_sizes, *e.output_sizes):
+            for d in shape:
+                _check_int(d, "entry size")
+    for name, cfg in dump.pg_config.items():
+        if not isinstance(name, str) or not all(isinstance(v, str) for v in cfg.values()):
+            raise Failure("invariant", f"pg_config[{name!r:.40}] holds non-text values")
+    translate(dump)  # collective-domain progress is derived from these values in the exporter
+
+
+# ------------------------------------------------------------------------------------------ targets
+
+
+def _json_or_skip(data: bytes) -> object:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise Skip from e
+
+
+def run_parse_manifest(data: bytes) -> None:
+    _check_manifest(spool.parse_manifest(_json_or_skip(data)))
+
+
+def run_parse_snapshot(data: bytes) -> None:
+    _check_snapshot(spool.parse_snapshot(_json_or_skip(data)))
+
+
+class _FileBench:
+    """Paths of every kind a spool file name can point at, made once per process."""
+
+    KINDS = ("regular", "regular", "regular", "regular", "directory", "missing", "fifo", "dangling_link",
+             "link_to_regular")
+    LIMITS = (spool.MAX_SNAPSHOT_BYTES, spool.MAX_MANIFEST_BYTES, 1, 16, 256, 4096, 65536)
+
+    def __init__(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="frexporter-fuzz-")
+        self.regular = os.path.join(self.root, "r.snapshot.json")
+        self.paths = {"regular": self.regular, "directory": os.path.join(self.root, "d.snapshot.json"),
+                      "missing": os.path.join(self.root, "missing.snapshot.json"),
+                      "fifo": os.path.join(self.root, "f.snapshot.json"),
+                      "dangling_link": os.path.join(self.root, "l.snapshot.json"),
+                      "link_to_regular": os.path.join(self.root, "lr.snapshot.json")}
+        os.mkdir(self.paths["directory"])
+        os.mkfifo(self.paths["fifo"])
+        os.symlink(os.path.join(self.root, "nowhere"), self.paths["dangling_link"])
+        os.symlink(self.regular, self.paths["link_to_regular"])
+
+
+_files: _FileBench | None = None
+
+
+def run_read_json_file(data: bytes) -> None:
+    """``data[0]`` picks the kind of path, ``data[1]`` the size limit, the rest is the file's content."""
+    global _files
+    if _files is None:
+        _files = _FileBench()
+    kind = _files.KINDS[data[0] % len(_files.KINDS)] if data else "regular"
+    limit = _files.LIMITS[data[1] % len(_files.LIMITS)] if len(data) > 1 else spool.MAX_SNAPSHOT_BYTES
+    with open(_files.regular, "wb") as f:
+        f.write(data[2:])
+    obj = spool.read_json_file(_files.paths[kind], limit)
+    # What the exporter does next with a file that decoded: both parsers must cope with any JSON.
+    for parse, check in ((spool.parse_manifest, _check_manifest), (spool.parse_snapshot, _check_snapshot)):
+        with contextlib.suppress(SpoolError):
+            check(parse(obj))  # type: ignore[operator]
+
+
+def run_parse_dump(data: bytes) -> None:
+    _check_dump(frtrace.parse_dump(_json_or_skip(data)))
+
+
+_REFERENCE_DUMP = frtrace.parse_dump(json_dump_doc())
+
+
+def _frdump_pipeline(obj: object) -> None:
+    """What ``frexporter analyze DIR`` does with a decoded file, next to a well-formed peer rank."""
+    dump = frtrace.parse_dump(obj, "fuzz")
+    _check_dump(dump)
+    dumps = [frdump.RankDump(rank=0, path="fuzz0", dump=dump, mtime=1.7e9),
+             frdump.RankDump(rank=1, path="fuzz1", dump=_REFERENCE_DUMP, mtime=1.7e9)]
+    states = frdump.rank_states(dumps)
+    evaluate(states, frdump.dump_time(dumps), VerdictConfig(stuck_after=0.0, complete_view=True))
+
+
+def run_frdump_decode(data: bytes) -> None:
+    _frdump_pipeline(frdump.decode(data, "fuzz"))
+
+
+def run_safe_loads(data: bytes) -> None:
+    frdump.safe_loads(data)
+
+
+def run_parse_response(data: bytes) -> None:
+    body = worker_client._parse_response(data, "fuzz.sock", "fr_trace_json")
+    if not isinstance(body, bytes) or len(body) > len(data):
+        raise Failure("invariant", "response body is not a slice of the response")
+
+
+def run_dechunk(data: bytes) -> None:
+    body = worker_client._dechunk(data, "fuzz.sock")
+    if len(body) > len(data):
+        raise Failure("invariant", "dechunked body is longer than its input")
+
+
+def run_complete(data: bytes) -> None:
+    # The read loop's end-of-response test sees the bytes received so far, in any number of chunks.
+    cut = data[0] if data else 0
+    chunks = [data[1:cut + 1], data[cut + 1:]] if cut else [data[1:]]
+    if not isinstance(worker_client._complete(chunks), bool):
+        raise Failure("invariant", "_complete returned a non-bool")
+
+
+def run_parse_query_response(data: bytes) -> None:
+    for sample in prom.parse_query_response(data):
+        if not isinstance(sample, dict) or not isinstance(sample.get("metric"), dict):
+            raise Failure("invariant", "a sample without a metric object")
+
+
+def run_prom_rank_states(data: bytes) -> None:
+    """``analyze --prometheus``: one fuzzed answer stands in for every query the analysis makes."""
+    samples = prom.parse_query_response(data)
+    with mock.patch.object(prom, "query", lambda *_a, **_k: samples):
+        states = prom.rank_states("http://fuzz", None, now=1.7e9)
+    evaluate(states, 1.7e9, VerdictConfig(stuck_after=30.0, complete_view=True))
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    run: Callable[[bytes], None]
+    allowed: tuple[type[BaseException], ...]
+    seeds: Callable[[], list[bytes]]
+    strategy: Callable[[], SearchStrategy[bytes]]
+    max_len: int = 16384  # libFuzzer's input cap for this target
+
+
+_STRATEGIES: list[Any] = []
+
+
+def _strategies() -> Any:
+    """Hypothesis is imported only where a strategy is built: the atheris engine runs without it."""
+    if not _STRATEGIES:
+        _STRATEGIES.append(_build_strategies())
+    return _STRATEGIES[0]
+
+
+def _build_strategies() -> Any:
+    import copy
+    import types
+
+    from hypothesis import strategies as st
+
+    edge_ints = [-1, 0, 1, 2**31, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64, 10**300, -(10**300)]
+    ints = st.integers(-10, 10**6) | st.sampled_from(edge_ints) | st.integers()
+    floats = st.floats(allow_nan=True, allow_infinity=True)
+    texts = st.text(max_size=20) | st.sampled_from(
+        ["", "0", "-1", "1_0", " 7 ", "1e400", "NaN", "inf", "Infinity", "+Inf", "\u0663", "\u00b2", "9" * 5000,
+         "frexporter.manifest/1", "frexporter.snapshot/1", "frexporter.x/1", "../../etc/passwd", "a/b.sock"])
+    scalars = st.none() | st.booleans() | ints | floats | texts
+    json_values = st.recursive(
+        scalars, lambda c: st.lists(c, max_size=6) | st.dictionaries(texts, c, max_size=6), max_leaves=40)
+
+    def slots(doc: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+        yield prefix
+        items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, (list, tuple)) else ()
+        for key, value in items:
+            yield from slots(value, (*prefix, key))
+
+    def apply(base: Any, edits: list[tuple[tuple[Any, ...], str, Any]]) -> Any:
+        doc = copy.deepcopy(base)
+        for path, op, value in edits:
+            if not path:
+                doc = value if op == "replace" else doc
+                continue
+            parent = doc
+            try:
+                for key in path[:-1]:
+                    parent = parent[key]
+                if not isinstance(parent, (dict, list)):
+                    continue  # an earlier edit replaced a container on this path by a scalar or tuple
+                if op == "replace":
+                    parent[path[-1]] = value
+                elif op == "delete":
+                    del parent[path[-1]]
+                elif isinstance(parent, dict):
+                    parent[f"extra{len(parent)}"] = value
+                else:
+                    parent.append(value)
+            except (KeyError, IndexError, TypeError):
+                continue  # an earlier edit removed this slot
+        return doc
+
+    def mutated_doc(base: Any, values: SearchStrategy[Any] = json_values) -> SearchStrategy[Any]:
+        """The realistic way files go wrong: a valid document with a few slots replaced, dropped or added."""
+        edit = st.tuples(st.sampled_from(list(slots(base))), st.sampled_from(["replace", "replace", "delete", "add"]),
+                         values)
+        return st.builds(apply, st.just(base), st.lists(edit, min_size=1, max_size=3))
+
+    def encode(doc: Any, ascii_only: bool) -> bytes:
+        return json.dumps(doc, ensure_ascii=ascii_only).encode()
+
+    def json_bytes(docs: SearchStrategy[Any]) -> SearchStrategy[bytes]:
+        return st.builds(encode, docs, st.booleans())
+
+    byte_edit = st.tuples(st.sampled_from(["flip", "insert", "delete", "truncate", "duplicate", "digits"]),
+                          st.integers(0, 1 << 20), st.integers(1, 64), st.binary(min_size=1, max_size=8))
+
+    def mutate_bytes(seed: bytes, edits: list[tuple[str, int, int, bytes]]) -> bytes:
+        b = bytearray(seed)
+        for op, pos, n, extra in edits:
+            i = pos % (len(b) + 1)
+            if op == "flip" and b:
+                b[i % len(b)] ^= extra[0] or 1
+            elif op == "insert":
+                b[i:i] = extra
+            elif op == "delete":
+                del b[i:i + n]
+            elif op == "truncate":
+                del b[i:]
+            elif op == "duplicate":
+                b[i:i] = b[i:i + n] * (1 + extra[0] % 8)
+            elif op == "digits":
+                b[i:i] = b"9" * (n * 80)  # numbers past int64, float range and the 4300-digit limit
+        return bytes(b)
+
+    def mutated_bytes(seeds: Sequence[bytes]) -> SearchStrategy[bytes]:
+        return st.builds(mutate_bytes, st.sampled_from(list(seeds)), st.lists(byte_edit, min_size=1, max_size=6))
+
+    # Nesting past the interpreter's recursion limit, within the smallest file size limit.
+    deep = st.builds(lambda opener, n: (opener * n)[: spool.MAX_SNAPSHOT_BYTES],
+                     st.sampled_from([b"[", b'{"a":', b'[{"x":', b'{"status":{"fr":{"0":']), st.integers(100, 200_000))
+
+    def json_doc(base: dict[str, Any]) -> SearchStrategy[bytes]:
+        return st.one_of(json_bytes(mutated_doc(base)), json_bytes(mutated_doc(base)), json_bytes(json_values),
+                         mutated_bytes([encode(base, True)]), deep, st.binary(max_size=200))
+
+    def sized(n: int, filler: bytes) -> bytes:
+        return b'{"pad":"' + filler * (n // len(filler)) + b'"}'
+
+    near_limit = st.builds(sized, st.integers(spool.MAX_SNAPSHOT_BYTES - 32, spool.MAX_SNAPSHOT_BYTES + 32),
+                           st.sampled_from([b" ", b"x", b"\\u00e9"]))
+
+    def spool_file(manifest: dict[str, Any], snapshot: dict[str, Any]) -> SearchStrategy[bytes]:
+        truncated = st.builds(lambda doc, cut: doc[:cut], st.sampled_from([encode(manifest, True),
+                                                                            encode(snapshot, True)]),
+                              st.integers(0, 400))
+        content = st.one_of(json_doc(manifest), json_doc(snapshot), truncated, near_limit, st.binary(max_size=64))
+        return st.builds(lambda kind, limit, body: bytes([kind, limit]) + body, st.integers(0, 255),
+                         st.integers(0, 255), content)
+
+    size_tokens = st.sampled_from([b"0", b"4", b"-1", b"-6", b"-0", b"+4", b"0x4", b"ffffffffffffffff", b" a ",
+                                   b"1;ext=1", b"", b"\xff", b"4_0", b"9" * 5000])
+
+    def chunk_body(chunks: list[tuple[bytes | None, bytes]], end: bool) -> bytes:
+        out = b""
+        for token, data in chunks:
+            out += (token if token is not None else f"{len(data):x}".encode()) + b"\r\n" + data + b"\r\n"
+        return out + (b"0\r\n\r\n" if end else b"")
+
+    chunk_bodies = st.builds(chunk_body, st.lists(st.tuples(st.none() | size_tokens, st.binary(max_size=40)),
+                                                   max_size=5), st.booleans())
+
+    def chunked(seeds: Sequence[bytes]) -> SearchStrategy[bytes]:
+        return st.one_of(chunk_bodies, mutated_bytes(seeds), st.binary(max_size=200))
+
+    header_names = st.sampled_from([b"Content-Length", b"content-length", b"Transfer-Encoding", b"Connection",
+                                    b"Content-Type", b"X", b"", b" Content-Length "])
+    header_values = st.sampled_from([b"chunked", b"Chunked", b"identity", b"0", b"4", b"-1", b"-100", b"1e3",
+                                     b" 5 ", b"0x10", b"99999999999999999999", b"9" * 5000, b"", b"close"])
+    status_lines = st.sampled_from([b"HTTP/1.1 200 OK", b"HTTP/1.0 404 Not Found", b"HTTP/1.1 500 X",
+                                    b"HTTP/1.1 2OO OK", b"HTTP/1.1", b"HTTP/1.1 -200 OK", b"HTTP/1.1 +200",
+                                    b"HTTP/1.1 1_00 x", b"SSH-2.0-OpenSSH", b"", b"HTTP/1.1 200"])
+
+    def http(status: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+        return status + b"".join(b"\r\n" + k + b": " + v for k, v in headers) + b"\r\n\r\n" + body
+
+    def http_response(seeds: Sequence[bytes]) -> SearchStrategy[bytes]:
+        structured = st.builds(http, status_lines, st.lists(st.tuples(header_names, header_values), max_size=4),
+                               chunk_bodies | st.binary(max_size=64))
+        return st.one_of(structured, structured, mutated_bytes(seeds), st.binary(max_size=300))
+
+    # Built by map: hypothesis reprs sampled values, and repr() of a 5000-digit int raises.
+    bignums = st.sampled_from([5000, 20000]).map(lambda digits: 10**digits)
+    pickle_scalars = scalars | st.binary(max_size=20) | bignums | st.sampled_from([1j, b"\x80" * 3])
+    pickle_values = st.recursive(
+        pickle_scalars | st.frozensets(st.integers() | st.text(max_size=5), max_size=4),
+        lambda c: st.lists(c, max_size=5) | st.tuples(c, c) | st.dictionaries(ints | texts, c, max_size=5),
+        max_leaves=30)
+
+    def dumps(value: Any, protocol: int) -> bytes:
+        try:
+            return pickle.dumps(value, protocol=protocol)
+        except ValueError:  # protocol 0 writes ints as text, which stops at 4300 digits
+            return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def pickled(values: SearchStrategy[Any]) -> SearchStrategy[bytes]:
+        return st.builds(dumps, values, st.integers(0, pickle.HIGHEST_PROTOCOL))
+
+    def pickles(seeds: Sequence[bytes]) -> SearchStrategy[bytes]:
+        return st.one_of(mutated_bytes(seeds), mutated_bytes(seeds), pickled(pickle_values),
+                         st.binary(max_size=300))
+
+    def dump_file(json_dump: dict[str, Any], pickle_dump: dict[str, Any], seeds: Sequence[bytes]
+                  ) -> SearchStrategy[bytes]:
+        return st.one_of(json_doc(json_dump), pickled(mutated_doc(pickle_dump, pickle_values)), pickles(seeds))
+
+    label_values = texts | st.sampled_from(["0", "1", "7", "-1", "01", "\u0663", "\u00b2", "1.0", "j", ""])
+    sample_values = st.sampled_from(["12", "0", "1", "NaN", "+Inf", "-Inf", "1e400", "-1e308", "1699999000.5",
+                                     "9" * 400, "x"]) | json_values
+    label_names = st.sampled_from(["__name__", "job_id", "rank", "pg", "pg_desc", "hostname", "local_rank",
+                                   "world_size", "pid", "torch_version", "gpu_uuid"])
+    samples = st.fixed_dictionaries({
+        "metric": st.dictionaries(label_names, label_values | json_values, max_size=8),
+        "value": st.tuples(floats | json_values, sample_values).map(list) | json_values,
+    })
+
+    def answer(result: list[Any]) -> dict[str, Any]:
+        return {"status": "success", "data": {"resultType": "vector", "result": result}}
+
+    def prom_answer(doc: dict[str, Any]) -> SearchStrategy[bytes]:
+        return st.one_of(json_bytes(st.lists(samples, max_size=12).map(answer)), json_doc(doc))
+
+    def yaml_text(seeds: Sequence[bytes]) -> SearchStrategy[bytes]:
+        return st.one_of(mutated_bytes(seeds), st.text(max_size=200).map(str.encode), st.binary(max_size=200))
+
+    return types.SimpleNamespace(json_doc=json_doc, spool_file=spool_file, chunked=chunked,
+                                 http_response=http_response, pickles=pickles, dump_file=dump_file,
+                                 prom_answer=prom_answer, yaml_text=yaml_text)
+
+
+def _targets() -> dict[str, Target]:
+    targets = [
+        Target("spool.parse_manifest", run_parse_manifest, (SpoolError, Skip),
+               lambda: [_json(manifest_doc())], lambda: _strategies().json_doc(manifest_doc())),
+        Target("spool.parse_snapshot", run_parse_snapshot, (SpoolError, Skip),
+               lambda: [_json(snapshot_doc())], lambda: _strategies().json_doc(snapshot_doc())),
+        Target("spool.read_json_file", run_read_json_file, (SpoolError,),
+               lambda: [b"\x00\x00" + _json(snapshot_doc()), b"\x00\x01" + _json(manifest_doc())],
+               lambda: _strategies().spool_file(manifest_doc(), snapshot_doc()), max_len=1 << 20),
+        Target("frtrace.parse_dump", run_parse_dump, (SpoolError, Skip),
+               lambda: [_json(json_dump_doc())], lambda: _strategies().json_doc(json_dump_doc()), max_len=65536),
+        Target("worker_client._parse_response", run_parse_response, (SourceError,),
+               http_seeds, lambda: _strategies().http_response(http_seeds())),
+        Target("worker_client._dechunk", run_dechunk, (SourceError,),
+               chunk_seeds, lambda: _strategies().chunked(chunk_seeds())),
+        Target("worker_client._complete", run_complete, (),
+               lambda: [b"\x10" + s for s in http_seeds()], lambda: _strategies().http_response(http_seeds())),
+        Target("frdump.safe_loads", run_safe_loads, (pickle.UnpicklingError,),
+               pickle_seeds, lambda: _strategies().pickles(pickle_seeds()), max_len=65536),
+        Target("frdump.decode", run_frdump_decode, (frdump.DumpError, SpoolError),
+               lambda: [*pickle_seeds(), _json(json_dump_doc())],
+               lambda: _strategies().dump_file(json_dump_doc(), pickle_dump_doc(), pickle_seeds()), max_len=65536),
+        Target("prom.parse_query_response", run_parse_query_response, (prom.PrometheusError,),
+               lambda: [_json(prom_doc())], lambda: _strategies().json_doc(prom_doc())),
+        Target("prom.rank_states", run_prom_rank_states, (prom.PrometheusError,),
+               lambda: [_json(prom_doc())], lambda: _strategies().prom_answer(prom_doc())),
+    ]
+    targets += _webconfig_targets()
+    return {t.name: t for t in targets}
+
+
+def _webconfig_targets() -> list[Target]:
+    """The TLS/basic-auth web config file and the Authorization header, where this checkout has them."""
+    try:
+        from frexporter import webconfig  # type: ignore[attr-defined]
+    except ImportError:
+        return []
+    # Names looked up defensively: that module is being written in parallel with this file.
+    error = getattr(webconfig, "WebConfigError", None)
+    load = getattr(webconfig, "load_web_config", None) or getattr(webconfig, "load", None)
+    parse_basic = getattr(webconfig, "_parse_basic", None)
+    if not (isinstance(error, type) and issubclass(error, Exception)) or load is None:
+        return []
+    bench: list[str] = []
+
+    def run_load(data: bytes) -> None:
+        if not bench:
+            root = tempfile.mkdtemp(prefix="frexporter-fuzz-web-")
+            for name in ("a.crt", "a.key", "ca.crt"):  # present but not PEM: build_context must refuse them
+                Path(root, name).write_bytes(b"-----BEGIN CERTIFICATE-----\nnot base64\n")
+            bench.append(os.path.join(root, "web.yml"))
+        Path(bench[0]).write_bytes(data)
+        load(bench[0])
+
+    def run_basic(data: bytes) -> None:
+        # http.server hands header values over as latin-1 text: every byte is a character.
+        result = parse_basic(data.decode("latin-1"))  # type: ignore[misc]
+        if result is not None and not (isinstance(result[0], str) and isinstance(result[1], bytes)):
+            raise Failure("invariant", f"_parse_basic returned {result!r:.80}")
+
+    seeds = [b"tls_server_config:\n  cert_file: a.crt\n  key_file: a.key\n  client_auth_type: "
+             b"RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n  min_version: TLS12\n"
+             b"basic_auth_users:\n  prometheus: $2y$10$" + b"a" * 53 + b"\nhttp_server_config:\n  headers:\n"
+             b"    X-Frame-Options: deny\n", b"{}", b""]
+    auth_seeds = [b"Basic " + base64.b64encode(b"prometheus:secret"), b"basic  " + base64.b64encode(b":"),
+                  b"Bearer x"]
+    targets = [Target("webconfig.load", run_load, (error,), lambda: seeds, lambda: _strategies().yaml_text(seeds),
+                      max_len=65536)]
+    if parse_basic is not None:
+        targets.append(Target("webconfig._parse_basic", run_basic, (), lambda: auth_seeds,
+                              lambda: _strategies().yaml_text(auth_seeds)))
+    return targets
+
+
+TARGETS = _targets()
+
+
+# ------------------------------------------------------------------------------------------ running cases
+
+
+@dataclass
+class Stats:
+    target: str
+    engine: str
+    cases: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    failures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cpu: list[float] = field(default_factory=list)
+    max_wall_s: float = 0.0
+    max_input_bytes: int = 0
+    elapsed_s: float = 0.0
+    save_dir: str | None = None  # where the first whole input of each failure signature is written
+    slowest: bytes = b""  # the input of the case with the most CPU time, for a look at what costs
+    max_cpu_s: float = 0.0
+
+    def add(self, outcome: str, cpu: float, wall: float, data: bytes) -> None:
+        size = len(data)
+        if cpu >= self.max_cpu_s:
+            self.max_cpu_s, self.slowest = cpu, data
+        self.cases += 1
+        self.outcomes[outcome] += 1
+        self.cpu.append(cpu)
+        self.max_wall_s = max(self.max_wall_s, wall)
+        self.max_input_bytes = max(self.max_input_bytes, size)
+
+    def fail(self, failure: Failure, data: bytes) -> None:
+        entry = self.failures.setdefault(failure.signature, {"count": 0, "detail": failure.detail,
+                                                             "input": data[:EXAMPLE_BYTES].hex(),
+                                                             "input_bytes": len(data)})
+        entry["count"] += 1
+        if entry["count"] == 1 and self.save_dir:
+            name = "".join(c if c.isalnum() or c in "._-" else "_" for c in f"{self.target}-{failure.signature}")
+            path = os.path.join(self.save_dir, name + ".bin")
+            Path(path).write_bytes(data)
+            entry["saved"] = path
+
+    def summary(self) -> dict[str, Any]:
+        cpu = sorted(self.cpu)
+        if self.save_dir and self.slowest:
+            Path(self.save_dir, f"{self.target}-{self.engine}-slowest.bin").write_bytes(self.slowest)
+        return {
+            "target": self.target, "engine": self.engine, "cases": self.cases, "outcomes": dict(self.outcomes),
+            "failures": self.failures, "elapsed_s": round(self.elapsed_s, 2),
+            "cpu_max_ms": round(cpu[-1] * 1e3, 3) if cpu else 0.0,
+            "cpu_p99_ms": round(cpu[int(len(cpu) * 0.99)] * 1e3, 3) if cpu else 0.0,
+            "cpu_median_ms": round(cpu[len(cpu) // 2] * 1e3, 4) if cpu else 0.0,
+            "wall_max_ms": round(self.max_wall_s * 1e3, 3), "max_input_bytes": self.max_input_bytes,
+        }
+
+
+def _raise_hang(_signum: int, _frame: object) -> None:
+    raise Hang
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    """Interrupts Python-level loops (not C code) in the main thread; elsewhere it does nothing."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _raise_hang)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame in frexporter (else the innermost at all): groups one bug's failures."""
+    frames = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in frames if "/frexporter/" in f.filename] or frames
+    f = ours[-1] if ours else None
+    return f"{Path(f.filename).name}:{f.lineno}" if f else "?"
+
+
+def run_case(target: Target, data: bytes, cpu_budget_s: float | None = CASE_CPU_BUDGET_S
+             ) -> tuple[str, float, float]:
+    """One case: returns (outcome, cpu seconds, wall seconds) or raises Failure."""
+    if len(sys.modules) != len(_KNOWN_MODULES):
+        _KNOWN_MODULES.update(sys.modules)
+    canaries = len(CANARY)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection of garbage from earlier cases is not this parser's cost
+    wall0, cpu0 = time.perf_counter(), time.thread_time()
+    try:
+        with _alarm(HANG_ALARM_S):
+            target.run(data)
+        outcome = "ok"
+    except Failure:
+        raise
+    except target.allowed as e:
+        outcome = type(e).__name__
+    except Hang as e:
+        raise Failure("hang", f"still running after {HANG_ALARM_S}s (Python level) at {_where(e)}") from e
+    except Exception as e:
+        tb = "".join(traceback.format_exception_only(type(e), e)).strip()[:300]
+        raise Failure(f"{type(e).__name__} at {_where(e)}", tb) from e
+    finally:
+        cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+        if gc_was_enabled:
+            gc.enable()
+    if len(CANARY) != canaries:
+        raise Failure("code execution", f"the input ran code: {CANARY[canaries:]}")
+    if len(sys.modules) != len(_KNOWN_MODULES):
+        new = set(sys.modules) - _KNOWN_MODULES
+        _KNOWN_MODULES.update(new)
+        if any(not name.startswith("encodings.") for name in new):
+            raise Failure("import", f"the input made the parser import {sorted(new)}")
+    if cpu_budget_s is not None and cpu > cpu_budget_s:
+        raise Failure("slow", f"{cpu * 1e3:.1f} ms CPU for a {len(data)} byte input (budget "
+                              f"{cpu_budget_s * 1e3:.0f} ms)")
+    return outcome, cpu, wall
+
+
+def record_case(stats: Stats, target: Target, data: bytes, cpu_budget_s: float | None) -> None:
+    try:
+        outcome, cpu, wall = run_case(target, data, cpu_budget_s)
+    except Failure as f:
+        stats.fail(f, data)
+        outcome, cpu, wall = f"FAIL {f.signature}", 0.0, 0.0
+    stats.add(outcome, cpu, wall, data)
+
+
+def _warm_up(target: Target) -> None:
+    # Lazy imports and first-use caches (regexes, the file bench) belong to no case.
+    for seed in target.seeds():
+        with contextlib.suppress(Failure):
+            run_case(target, seed, cpu_budget_s=None)
+
+
+def hypothesis_run(target: Target, cases: int, seed: int | None, stats: Stats) -> None:
+    import warnings
+
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import HypothesisWarning
+
+    # The seed files are large on purpose; hypothesis warns that the repr of the strategy holding them is.
+    warnings.filterwarnings("ignore", category=HypothesisWarning)
+    _warm_up(target)
+
+    @settings(max_examples=cases, deadline=None, database=None, derandomize=seed is None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(target.strategy())
+    def body(data: bytes) -> None:
+        record_case(stats, target, data, CASE_CPU_BUDGET_S)
+
+    if seed is not None:
+        from hypothesis import seed as hypothesis_seed
+
+        body = hypothesis_seed(seed)(body)
+    body()
+
+
+def _libfuzzer_dict(target: Target, path: Path) -> None:
+    """Tokens libFuzzer splices into inputs: JSON keys of the seeds and the syntax the parsers key on."""
+    tokens = {"Infinity", "-Infinity", "NaN", "null", "true", "9223372036854775808", "1e400", "\r\n", "\r\n\r\n",
+              "Content-Length: ", "Transfer-Encoding: chunked", "HTTP/1.1 ", ";", "-1", "ffffffffffffffff"}
+    for seed in target.seeds():
+        with contextlib.suppress(ValueError, RecursionError):
+            doc = json.loads(seed[2:] if target.name == "spool.read_json_file" else seed)
+            stack = [doc]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    tokens.update(f'"{k}"' for k in node if isinstance(k, str) and len(k) < 40)
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+    lines = []
+    for t in sorted(tokens):
+        escaped = "".join(c if 32 <= ord(c) < 127 and c not in '"\\' else f"\\x{ord(c):02x}" for c in t)
+        lines.append(f'"{escaped}"')
+    path.write_text("\n".join(lines) + "\n")
+
+
+def atheris_worker(target: Target, cases: int, seed: int, stats: Stats, out: Path) -> None:
+    """Coverage-guided fuzzing in this process; libFuzzer exits the process when done, so stats are
+    written to ``out`` as the run goes."""
+    import atheris
+
+    _warm_up(target)
+    work = Path(tempfile.mkdtemp(prefix="frexporter-atheris-"))
+    corpus = work / "corpus"
+    corpus.mkdir()
+    for i, s in enumerate(target.seeds()):
+        (corpus / f"seed{i}").write_bytes(s[: target.max_len])
+    _libfuzzer_dict(target, work / "tokens.dict")
+    started = time.monotonic()
+
+    def one(data: bytes) -> None:
+        # Instrumented code runs slower: the CPU budget applies to the hypothesis engine only.
+        record_case(stats, target, data, None)
+        if stats.cases % 2000 == 0 or stats.cases >= cases:
+            stats.elapsed_s = time.monotonic() - started
+            out.write_text(json.dumps(stats.summary()))
+
+    atheris.instrument_all()
+    atheris.Setup([sys.argv[0], f"-runs={cases}", f"-max_len={target.max_len}", "-timeout=20",
+                   "-rss_limit_mb=4096", f"-seed={seed}", f"-dict={work / 'tokens.dict'}",
+                   f"-artifact_prefix={work}/", str(corpus)], one)
+    atheris.Fuzz()
+
+
+def worker(args: argparse.Namespace) -> int:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+    target = TARGETS[args.worker]
+    stats = Stats(target.name, args.engine, save_dir=args.failures)
+    out = Path(args.out)
+    started = time.monotonic()
+    if args.engine == "atheris":
+        atheris_worker(target, args.cases, args.seed or 1, stats, out)
+    else:
+        hypothesis_run(target, args.cases, args.seed, stats)
+    stats.elapsed_s = time.monotonic() - started
+    out.write_text(json.dumps(stats.summary()))
+    return 0
+
+
+def orchestrate(names: Sequence[str], engines: Sequence[str], cases: int, seed: int | None, limit_s: float,
+                as_json: bool, failures: str) -> int:
+    os.makedirs(failures, exist_ok=True)
+    rows = []
+    for engine in engines:
+        for name in names:
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                out = Path(f.name)
+            # Imported under its own name, not as __main__: the hostile pickles point at benchmarks.fuzz._canary.
+            cmd = [sys.executable, "-c", "import sys, benchmarks.fuzz as f; sys.exit(f.main(sys.argv[1:]))",
+                   "--worker", name, "--engine", engine, "--cases", str(cases), "--out", str(out),
+                   "--failures", failures, *(["--seed", str(seed)] if seed is not None else [])]
+            started = time.monotonic()
+            try:
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=limit_s)
+                rc, log = proc.returncode, proc.stdout + proc.stderr
+            except subprocess.TimeoutExpired as e:
+                rc, log = -9, f"killed after {limit_s:.0f}s: {(e.stderr or b'')[-2000:]!r}"
+            try:
+                row = json.loads(out.read_text() or "{}")
+            except ValueError:
+                row = {}
+            out.unlink(missing_ok=True)
+            row = {"target": name, "engine": engine, "cases": 0, "failures": {}, **row}
+            row["wall_s"] = round(time.monotonic() - started, 1)
+            # libFuzzer ends with exit code 0 after -runs; anything else (a hang it caught, a crash in C,
+            # our wall limit) is a failure of the target, not of the harness.
+            if rc != 0:
+                row["failures"] = {**row["failures"], f"worker exit {rc}": {"count": 1, "detail": log[-1500:]}}
+            rows.append(row)
+            if not as_json:
+                _print_row(row)
+    if as_json:
+        print(json.dumps(rows, indent=1))
+    bad = [r for r in rows if r["failures"]]
+    for r in bad:
+        print(f"\nFAILURES in {r['target']} ({r['engine']}):", file=sys.stderr)
+        for sig, f in r["failures"].items():
+            print(f"  {sig} x{f['count']}: {f['detail'][:400]}\n    input[:100] hex: "
+                  f"{f.get('input', '')[:200]}  (whole input: {f.get('saved', '-')})", file=sys.stderr)
+    return 1 if bad else 0
+
+
+_HEADER_PRINTED: list[bool] = []
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    if not _HEADER_PRINTED:
+        _HEADER_PRINTED.append(True)
+        print(f"{'engine':<10} {'target':<32} {'cases':>8} {'fail':>5} {'wall s':>7} {'cpu med ms':>10} "
+              f"{'p99 ms':>8} {'max ms':>8} {'max in B':>9}  outcomes")
+    outcomes = ", ".join(f"{k}={v}" for k, v in sorted(row.get("outcomes", {}).items()))
+    print(f"{row['engine']:<10} {row['target']:<32} {row['cases']:>8} {len(row['failures']):>5} "
+          f"{row['wall_s']:>7.1f} {row.get('cpu_median_ms', 0):>10.4f} {row.get('cpu_p99_ms', 0):>8.3f} "
+          f"{row.get('cpu_max_ms', 0):>8.3f} {row.get('max_input_bytes', 0):>9}  {outcomes}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=100_000, help="cases per target and engine")
+    parser.add_argument("--engine", choices=["hypothesis", "atheris", "both"], default="hypothesis")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="repeatable; default all")
+    parser.add_argument("--seed", type=int, default=None, help="default: derandomized hypothesis, libFuzzer seed 1")
+    parser.add_argument("--limit", type=float, default=1800.0, help="wall-clock seconds per target and engine")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--list", action="store_true", help="print the target names and exit")
+    parser.add_argument("--failures", default=os.path.join(tempfile.gettempdir(), "frexporter-fuzz-failures"),
+                        help="directory for the whole input of each distinct failure (default: %(default)s)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(TARGETS))
+        return 0
+    if args.worker:
+        return worker(args)
+    engines = ["hypothesis", "atheris"] if args.engine == "both" else [args.engine]
+    return orchestrate(args.target or list(TARGETS), engines, args.cases, args.seed, args.limit, args.json,
+                       args.failures)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

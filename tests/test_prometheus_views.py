@@ -1,0 +1,326 @@
+"""What people read out of Prometheus, against a real one scraping a real gloo job through the exporter.
+
+- ``frexporter analyze --prometheus``: the whole-job view rebuilt from the series names the rank that
+  skipped a collective (and nothing on the same job while it is healthy);
+- the Grafana dashboards: every panel query returns data for a job with a desync in flight, except an
+  explicit list of queries whose data this CPU job cannot produce (GPUs, NCCL timing, ...).
+
+The unit tests at the end pin how ``frexporter.analysis.prom`` reads series (membership, duplicates,
+escaping, heartbeats), with canned query answers instead of a Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from frexporter import naming as n
+from frexporter.analysis import prom
+from frexporter.analysis.verdicts import MISSING_RANK, VerdictConfig, evaluate
+from frexporter.model import RANK_OK, RANK_UNRESPONSIVE
+from frexporter.rules import load_rules
+from tests.harness import REPO, Job, wait_for
+from tests.promstack import SCALE, PromStack
+
+DESYNC = "FrexporterCollectiveDesync"
+JOB_TIMEOUT_S = 60.0  # gloo's timeout: every check below must be done well before the ranks give up
+POLL_S = 0.25
+SEEN_TIMEOUT_S = 20.0  # for Prometheus to show what the exporter already serves (scrape + rule evaluation)
+ANALYZE_DEADLINE_S = 30.0  # from the skip to the verdict: the threshold and a few scrapes
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _desync_threshold() -> float:
+    """FrexporterCollectiveDesync's in-flight threshold at the stack's scale (3 s at 0.1)."""
+    rule = next(r for g in load_rules(SCALE)["groups"] for r in g["rules"] if r.get("alert") == DESYNC)
+    for line in rule["expr"].splitlines():
+        if "@scale" in line:
+            return float(line.split(">=")[1].split("#")[0])
+    raise AssertionError(f"no scaled threshold in {DESYNC}: {rule['expr']}")
+
+
+STUCK_AFTER = _desync_threshold()
+
+
+def _watch(promstack: PromStack, exporter_factory: Callable[..., Any], job: Job) -> None:
+    """Starts the exporter on the port Prometheus scrapes and waits until Prometheus sees every rank up."""
+    since = time.time()
+    exporter_factory(job.spool, port=promstack.exporter_port, stuck_after=STUCK_AFTER)
+    promstack.wait_target_up(since)
+    wait_for(lambda: len(promstack.query(f'{n.RANK_UP}{{job_id="{job.job_id}"}} == 1')) == job.world,
+             timeout=SEEN_TIMEOUT_S, interval=POLL_S, what=f"Prometheus sees every rank of {job.job_id} up")
+
+
+def _skip_pair_collective(job: Job) -> None:
+    job.touch("skip")
+    job.wait_ready("skipped", ranks=[3], timeout=10)
+
+
+def _pair_skip_job(job_factory: Callable[..., Job], job_id: str) -> Job:
+    # Rank 3 will leave out its all_reduce on pair23 ({2,3}); see tests/workers/job.py.
+    job = job_factory("pair_skip", 4, job_id=job_id,
+                      env={"JOB_TIMEOUT": f"{JOB_TIMEOUT_S:g}", "JOB_STEP_SECONDS": "0.5"})
+    job.wait_ready()
+    return job
+
+
+def _assert_alive(job: Job) -> None:
+    dead = [rank for rank, proc in enumerate(job.procs) if proc.poll() is not None]
+    assert not dead, f"ranks {dead} exited (gloo timed out?):\n{job.log(dead[0])}"
+
+
+# --- frexporter analyze --prometheus ---------------------------------------------------------------------
+
+
+def _analyze(promstack: PromStack, job_id: str) -> list[dict[str, Any]]:
+    result = subprocess.run(
+        [sys.executable, "-m", "frexporter", "analyze", "--prometheus", promstack.prom_url, "--job-id", job_id,
+         "--stuck-after", f"{STUCK_AFTER:g}", "--json"],
+        capture_output=True, text=True, timeout=60, env=ENV, cwd=REPO, check=False)
+    assert result.returncode == 0, result.stderr
+    verdicts: list[dict[str, Any]] = json.loads(result.stdout)
+    return verdicts
+
+
+@pytest.mark.e2e
+def test_analyze_names_the_rank_that_skipped_a_collective(
+    promstack: PromStack, job_factory: Callable[..., Job], exporter_factory: Callable[..., Any],
+) -> None:
+    job_id = "views-analyze"
+    job = _pair_skip_job(job_factory, job_id)
+    _watch(promstack, exporter_factory, job)
+    # Healthy first: every PG of every rank is in Prometheus, and nobody is blamed.
+    wait_for(lambda: len(promstack.query(f'{n.PG_LAST_ENQUEUED_SEQ}{{job_id="{job_id}"}}')) == 4 * 2,
+             timeout=SEEN_TIMEOUT_S, interval=POLL_S, what="WORLD and pair PG series of all 4 ranks")
+    assert _analyze(promstack, job_id) == []
+
+    _skip_pair_collective(job)
+
+    def blamed() -> list[dict[str, Any]]:
+        return [v for v in _analyze(promstack, job_id) if v["kind"] == MISSING_RANK]
+
+    found = wait_for(blamed, timeout=ANALYZE_DEADLINE_S, interval=0.5, what="a missing_rank verdict")
+    _assert_alive(job)
+    verdict = found[0]
+    assert (verdict["job_id"], verdict["pg_desc"], verdict["ranks"]) == (job_id, "pair23", [3]), verdict
+    assert 2 in verdict["waiting_ranks"], verdict
+    # Timing comes from the involved wait nearest to its watchdog: WORLD's (JOB_TIMEOUT), where ranks 0, 1
+    # and 3 block, not pair23's (torch's default for new groups).
+    assert verdict["timeout_seconds"] == pytest.approx(JOB_TIMEOUT_S), verdict
+    assert 0 < verdict["age_seconds"] < JOB_TIMEOUT_S, verdict
+    # The cascade (ranks 0, 1 and 3 blocked in WORLD behind rank 2) is explained, not blamed on anyone else.
+    everything = _analyze(promstack, job_id)
+    assert {rank for v in everything for rank in v["ranks"]} == {3}, everything
+
+
+# --- dashboards --------------------------------------------------------------------------------------------
+
+try:
+    from grafana import generate
+except ImportError as error:  # the SDK is dev tooling (see tests/test_dashboards.py)
+    generate = None  # type: ignore[assignment]
+    GENERATE_ERROR = str(error)
+
+# What a CPU gloo job with a desync in flight, watched with the shipped rules, offers the dashboards.
+AVAILABLE = frozenset({"recording_rules", "inflight", "verdict", "alert", "frexporter_scrape_job"})
+
+# Every query left out under AVAILABLE, as (dashboard uid, panel title), once per query. Adding a query
+# that this job cannot feed must update this list, and so must a new condition being met.
+EXCLUDED = sorted([
+    ("frexporter-job", "GPU Xid events by rank"),  # gpu, xid
+    ("frexporter-job", "GPUs throttled by reason"),  # gpu
+    ("frexporter-pg", "Collective bytes by op"),  # collective_metrics
+    ("frexporter-pg", "Collective duration by op"),  # collective_metrics: p50
+    ("frexporter-pg", "Collective duration by op"),  # collective_metrics: p99
+    ("frexporter-pg", "Last started collective per rank (NCCL)"),  # nccl_timing
+    ("frexporter-rank", "GPU ECC errors"),
+    ("frexporter-rank", "GPU NVLink errors"),
+    ("frexporter-rank", "GPU Xid events"),
+    ("frexporter-rank", "GPU lost"),
+    ("frexporter-rank", "GPU memory"),  # used
+    ("frexporter-rank", "GPU memory"),  # total
+    ("frexporter-rank", "GPU power"),
+    ("frexporter-rank", "GPU temperature"),
+    ("frexporter-rank", "GPU throttle reasons"),
+    ("frexporter-rank", "GPU utilization"),
+    ("frexporter-rank", "Recorder errors"),  # recorder_errors: a healthy recorder has none
+])
+MAX_EXCLUDED_FRACTION = 0.25
+
+
+def _returns_data(promstack: PromStack, promql: str) -> bool:
+    return bool(promstack.query(promql))
+
+
+@pytest.mark.e2e
+def test_every_dashboard_query_returns_data_for_a_desync(
+    promstack: PromStack, job_factory: Callable[..., Job], exporter_factory: Callable[..., Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if generate is None:
+        if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
+            pytest.fail(f"grafana-foundation-sdk is required: {GENERATE_ERROR}")
+        pytest.skip(f"grafana-foundation-sdk is not installed ({GENERATE_ERROR})")
+    assert AVAILABLE <= generate.Needs.ALL
+    job_id = "views-dashboards"
+    job = _pair_skip_job(job_factory, job_id)
+    _watch(promstack, exporter_factory, job)
+    _skip_pair_collective(job)
+    # Everything the conditions promise: an exporter verdict and a firing alert on this job.
+    wait_for(lambda: promstack.query(f'{n.VERDICT}{{job_id="{job_id}",kind="{MISSING_RANK}",rank="3"}}'),
+             timeout=SEEN_TIMEOUT_S, interval=POLL_S, what="the exporter's verdict in Prometheus")
+    wait_for(lambda: promstack.query(f'ALERTS{{alertname="{DESYNC}",job_id="{job_id}",alertstate="firing"}}'),
+             timeout=JOB_TIMEOUT_S / 2, interval=POLL_S, what=f"{DESYNC} firing")
+    pair = promstack.query(f'{n.PG_INFO}{{job_id="{job_id}",pg_desc="pair23"}}')
+    assert pair, "no pg_info for pair23"
+    # The culprit and the PG it skipped: where rank 2 waits (in flight) and the rank dashboard's verdict.
+    variables = {n.L_JOB_ID: job_id, n.L_PG: pair[0]["metric"][n.L_PG], n.L_RANK: "3"}
+
+    every = generate.all_panel_queries(variables)
+    chosen = generate.all_panel_queries(variables, available=AVAILABLE)
+    excluded = sorted((Counter((uid, title) for uid, title, _ in every)
+                       - Counter((uid, title) for uid, title, _ in chosen)).elements())
+    assert excluded == EXCLUDED
+    assert len(excluded) <= MAX_EXCLUDED_FRACTION * len(every), (len(excluded), len(every))
+
+    pending = {expr: (uid, title) for uid, title, expr in chosen}
+
+    def all_answered() -> bool:
+        for expr in list(pending):
+            if _returns_data(promstack, expr):
+                del pending[expr]
+        return not pending
+
+    try:
+        wait_for(all_answered, timeout=SEEN_TIMEOUT_S, interval=POLL_S, what="data for every panel query")
+    except AssertionError:
+        empty = "\n".join(f"  {uid} / {title}: {expr}" for expr, (uid, title) in pending.items())
+        raise AssertionError(f"{len(pending)} of {len(chosen)} queries returned no data:\n{empty}") from None
+    _assert_alive(job)
+    # The ones left out must still be valid PromQL for this Prometheus (an empty answer, not an error).
+    for _, _, expr in every:
+        promstack.query(expr)
+    with capsys.disabled():
+        print(f"\n[views] {len(chosen)} dashboard queries returned data for {job_id}; "
+              f"{len(excluded)} excluded (GPU, NCCL timing, collective metrics, recorder errors)")
+
+
+# --- how prom.rank_states reads series (canned answers) ----------------------------------------------------
+
+NOW = 1_700_000_000.0
+
+
+def _sample(metric: str, value: float, scraped: float, **labels: str) -> dict[str, Any]:
+    # "_scraped" is the fake's own: the sample's timestamp, which only timestamp() reveals.
+    return {"metric": {"__name__": metric, "job": "frexporter", **labels}, "value": [NOW, repr(value)],
+            "_scraped": scraped}
+
+
+def _pg(metric: str, value: float, rank: int, instance: str = "node0:9400", scraped: float = NOW - 1,
+        **extra: str) -> dict[str, Any]:
+    return _sample(metric, value, scraped, job_id="j", rank=str(rank), pg="0", pg_desc="default_pg",
+                   instance=instance, **extra)
+
+
+def _rank(metric: str, value: float, rank: int, instance: str = "node0:9400", scraped: float = NOW - 1,
+          **extra: str) -> dict[str, Any]:
+    return _sample(metric, value, scraped, job_id="j", rank=str(rank), instance=instance, **extra)
+
+
+class FakePrometheus:
+    """Answers prom.query from samples of one job: plain selectors and timestamp() of them, by metric name."""
+
+    def __init__(self, samples: list[dict[str, Any]]) -> None:
+        self.samples = samples
+        self.queries: list[str] = []
+
+    def __call__(self, base_url: str, promql: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+        self.queries.append(promql)
+        stamp = promql.startswith("timestamp(")
+        name = promql.removeprefix("timestamp(").split("{")[0]
+        out = []
+        for s in self.samples:
+            if s["metric"]["__name__"] != name:
+                continue
+            if stamp:  # like Prometheus: the name is dropped, the value is when the sample was scraped
+                labels = {k: v for k, v in s["metric"].items() if k != "__name__"}
+                out.append({"metric": labels, "value": [NOW, repr(s["_scraped"])]})
+            else:
+                out.append({"metric": s["metric"], "value": s["value"]})
+        return out
+
+
+def _rank_series(rank: int, enq: int, done: int, world: int = 3, instance: str = "node0:9400",
+                 heartbeat: float = NOW - 1.5, oldest: float | None = None) -> list[dict[str, Any]]:
+    """What one exporter reports for one rank of a job whose only PG is WORLD."""
+    out = [
+        _rank(n.RANK_UP, 1, rank, instance),
+        _rank(n.RANK_HEARTBEAT_TIMESTAMP_SECONDS, heartbeat, rank, instance),
+        _rank(n.RANK_INFO, 1, rank, instance, world_size=str(world), local_rank=str(rank)),
+        _pg(n.PG_INFO, 1, rank, instance, size=str(world), backend="nccl"),
+        _pg(n.PG_LAST_ENQUEUED_SEQ, enq, rank, instance),
+        _pg(n.PG_LAST_COMPLETED_SEQ, done, rank, instance),
+        _pg(n.PG_INFLIGHT_COLLECTIVES, enq - done, rank, instance),
+        _pg(n.PG_TIMEOUT_SECONDS, 600, rank, instance),
+    ]
+    if oldest is not None:
+        out.append(_pg(n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, oldest, rank, instance))
+    return out
+
+
+def _states(samples: list[dict[str, Any]], job_id: str | None = "j") -> tuple[Any, ...]:
+    with mock.patch.object(prom, "query", FakePrometheus(samples)):
+        return prom.rank_states("http://prometheus", job_id, NOW)
+
+
+def test_a_rank_without_series_is_still_a_member_of_the_world_pg() -> None:
+    # Rank 2's node exporter is gone: ranks 0 and 1 wait in collective 8, which rank 2 never reported.
+    samples = [*_rank_series(0, 8, 7, oldest=NOW - 100), *_rank_series(1, 8, 7, oldest=NOW - 100)]
+    states = _states(samples)
+    assert [pg.ranks for r in states for pg in r.pgs] == [(0, 1, 2), (0, 1, 2)]
+    verdicts = evaluate(states, NOW, VerdictConfig(stuck_after=30, complete_view=True))
+    assert [(v.kind, v.ranks) for v in verdicts] == [(MISSING_RANK, (2,))], verdicts
+
+
+def test_a_rank_reported_by_two_exporters_is_read_from_the_fresher() -> None:
+    # A sidecar and a node exporter both read rank 1, and "b" is 20 s behind. Series come back sorted by
+    # labels, so reading "the last one" takes b's seqs, and a's in-flight start on top of them.
+    samples = [
+        *_rank_series(0, 9, 8, oldest=NOW - 100),
+        *_rank_series(1, 9, 8, instance="a:9400", heartbeat=NOW - 1.2, oldest=NOW - 100),
+        *_rank_series(1, 8, 8, instance="b:9400", heartbeat=NOW - 20),
+    ]
+    rank1 = next(r for r in _states(samples) if r.rank == 1)
+    assert [(pg.last_enqueued, pg.last_completed, pg.inflight_count) for pg in rank1.pgs] == [(9, 8, 1)]
+    assert rank1.pgs[0].inflight[0].created == NOW - 100
+    assert rank1.heartbeat == NOW - 1.2
+
+
+def test_job_id_is_quoted_in_promql() -> None:
+    fake = FakePrometheus([])
+    with mock.patch.object(prom, "query", fake):
+        prom.rank_states("http://prometheus", 'a"b\\c', NOW)
+    assert fake.queries and all('{job_id="a\\"b\\\\c"}' in q for q in fake.queries), fake.queries
+
+
+def test_heartbeat_staleness_is_judged_at_the_scrape() -> None:
+    # Prometheus scrapes every 60 s: at query time a healthy rank's heartbeat is up to 60 s old, but it
+    # was fresh when scraped. Rank 1's was already 40 s stale at its scrape: wedged.
+    scraped = NOW - 55
+    samples = [
+        _rank(n.RANK_UP, 1, 0, scraped=scraped),
+        _rank(n.RANK_HEARTBEAT_TIMESTAMP_SECONDS, scraped - 1, 0, scraped=scraped),
+        _rank(n.RANK_UP, 1, 1, scraped=scraped),
+        _rank(n.RANK_HEARTBEAT_TIMESTAMP_SECONDS, scraped - 40, 1, scraped=scraped),
+    ]
+    status = {r.rank: r.status for r in _states(samples)}
+    assert status == {0: RANK_OK, 1: RANK_UNRESPONSIVE}
