@@ -612,8 +612,12 @@ def _build_strategies() -> Any:
     def prom_answer(doc: dict[str, Any]) -> SearchStrategy[bytes]:
         return st.one_of(json_bytes(st.lists(samples, max_size=12).map(answer)), json_doc(doc))
 
+    deep_yaml = st.builds(lambda opener, n: opener * n, st.sampled_from([b"[", b"{a: ", b"- ", b"&a ["]),
+                          st.integers(100, 20_000))
+
     def yaml_text(seeds: Sequence[bytes]) -> SearchStrategy[bytes]:
-        return st.one_of(mutated_bytes(seeds), st.text(max_size=200).map(str.encode), st.binary(max_size=200))
+        return st.one_of(mutated_bytes(seeds), mutated_bytes(seeds), st.text(max_size=200).map(str.encode),
+                         st.binary(max_size=200), deep_yaml)
 
     return types.SimpleNamespace(json_doc=json_doc, spool_file=spool_file, chunked=chunked,
                                  http_response=http_response, pickles=pickles, dump_file=dump_file,
@@ -898,7 +902,6 @@ def atheris_worker(target: Target, cases: int, seed: int, stats: Stats, out: Pat
             stats.elapsed_s = time.monotonic() - started
             out.write_text(json.dumps(stats.summary()))
 
-    atheris.instrument_all()
     atheris.Setup([sys.argv[0], f"-runs={cases}", f"-max_len={target.max_len}", "-timeout=20",
                    "-rss_limit_mb=4096", f"-seed={seed}", f"-dict={work / 'tokens.dict'}",
                    f"-artifact_prefix={work}/", str(corpus)], one)
@@ -920,6 +923,21 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+# Imported under its own name, not as __main__: the hostile pickles point at benchmarks.fuzz._canary.
+# For atheris, frexporter is imported under coverage instrumentation (and nothing else: instrumenting
+# every loaded module costs more start-up time than the whole run).
+_WORKER_BOOT = """
+import sys
+if sys.argv[sys.argv.index("--engine") + 1] == "atheris":
+    import atheris
+    with atheris.instrument_imports(include=["frexporter"]):
+        import benchmarks.fuzz as f
+else:
+    import benchmarks.fuzz as f
+sys.exit(f.main(sys.argv[1:]))
+"""
+
+
 def orchestrate(names: Sequence[str], engines: Sequence[str], cases: int, seed: int | None, limit_s: float,
                 as_json: bool, failures: str) -> int:
     os.makedirs(failures, exist_ok=True)
@@ -928,8 +946,7 @@ def orchestrate(names: Sequence[str], engines: Sequence[str], cases: int, seed: 
         for name in names:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 out = Path(f.name)
-            # Imported under its own name, not as __main__: the hostile pickles point at benchmarks.fuzz._canary.
-            cmd = [sys.executable, "-c", "import sys, benchmarks.fuzz as f; sys.exit(f.main(sys.argv[1:]))",
+            cmd = [sys.executable, "-c", _WORKER_BOOT,
                    "--worker", name, "--engine", engine, "--cases", str(cases), "--out", str(out),
                    "--failures", failures, *(["--seed", str(seed)] if seed is not None else [])]
             started = time.monotonic()

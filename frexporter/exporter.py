@@ -104,10 +104,12 @@ class Exporter:
         collectives: tuple[CollectiveStats, ...] = ()
         gpus = None
         for track in self._tracks:
+            if track.source.name == naming.SOURCE_RANKS:
+                # Cumulative counters the ranks source keeps next to its rank states; still valid (and kept
+                # monotonic) through a poll that failed.
+                collectives = getattr(track.source, "collectives", ())
             if track.source.name == naming.SOURCE_RANKS and track.value is not None:
                 ranks = track.value
-                # Cumulative counters the ranks source keeps next to its per-poll rank states.
-                collectives = getattr(track.source, "collectives", ())
             elif track.source.name == naming.SOURCE_NVML:
                 gpus = track.value if track.up else None
         snapshot = NodeSnapshot(

@@ -363,11 +363,20 @@ def _finite(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
+def _show(value: Any) -> str:
+    """A key of untrusted data for a message: repr() of a pickled bignum raises, of a container can be huge."""
+    if isinstance(value, str):
+        return repr(value[:64])
+    if isinstance(value, int) and INT_MIN <= value <= INT_MAX:
+        return repr(value)
+    return f"<{type(value).__name__}>"
+
+
 def _int64(value: Any) -> int:
     """A counter of torch's (an int, or a string of one in JSON dumps) that fits in 64 bits."""
     out = int(value)
     if not INT_MIN <= out <= INT_MAX:
-        raise ValueError(f"out of range: {value!r}")
+        raise ValueError("out of the 64-bit range")
     return out
 
 
@@ -376,7 +385,7 @@ def _check_format(obj: Any, expected: str, what: str) -> None:
     if not isinstance(fmt, str) or not fmt.startswith("frexporter."):
         raise SpoolError("foreign", f"{what}: not a frexporter file")
     if fmt != expected:
-        raise SpoolError("unknown_version", f"{what}: format {fmt!r} is not supported (want {expected!r})")
+        raise SpoolError("unknown_version", f"{what}: format {fmt[:64]!r} is not supported (want {expected!r})")
 
 
 def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
@@ -443,7 +452,7 @@ def parse_pg_status(raw: Any, what: str) -> dict[int, RawPGStatus]:
                 completed=_int64(val.get("last_completed_collective", -1)),
             )
         except (TypeError, ValueError, OverflowError) as e:
-            raise SpoolError("invalid", f"{what}: pg_status[{key!r}] is malformed") from e
+            raise SpoolError("invalid", f"{what}: pg_status[{_show(key)}] is malformed") from e
     return out
 
 

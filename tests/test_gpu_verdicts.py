@@ -104,6 +104,7 @@ def test_straggler_gets_clock_slowdowns() -> None:
     v = only(evaluate(ranks, NOW, gpus=gpus))
     assert v.kind == STRAGGLER and v.ranks == (2,)
     assert "rank 2 on GPU-21234567…: clocks slowed (hw_thermal_slowdown)" in v.summary
+    assert "spinning" not in v.summary  # its peers compute between waits: their load says nothing here
 
 
 def test_power_cap_alone_is_not_a_slowdown_worth_naming() -> None:

@@ -12,7 +12,7 @@ from frexporter import naming as n
 from frexporter.analysis import STRAGGLER, VerdictConfig, evaluate
 from frexporter.frtrace import FrEntry
 from frexporter.model import RANK_DOWN, RANK_OK, InflightCollective, PGState, RankState
-from frexporter.sources.collectives import LatenessTracker
+from frexporter.sources.collectives import LONE_PENDING, LatenessTracker
 from tests.harness import metrics, sample, wait_for
 from tests.test_collectives import T0, Node, entry, node_factory, raw, render  # noqa: F401 (fixture)
 
@@ -89,10 +89,11 @@ def test_spread_beyond_the_watchdog_timeout_is_not_lateness() -> None:
     assert tracker.score(key, 1) == (None, 0)
 
 
-def test_a_pg_with_one_local_rank_has_no_score() -> None:
+def test_a_pg_with_one_local_rank_has_no_score_and_keeps_little() -> None:
     tracker = LatenessTracker()
-    tracker.observe(KEY, {0: 100}, 0, arrivals(range(1, 30), {}, 0))
+    tracker.observe(KEY, {0: 100}, 0, arrivals(range(1, 2001), {}, 0))
     assert tracker.score(KEY, 0) == (None, 0)
+    assert len(tracker._groups[KEY].pending) == LONE_PENDING
 
 
 def test_p2p_entries_are_ignored() -> None:
@@ -214,3 +215,12 @@ def test_real_gloo_job_with_a_late_rank(job_factory: Any, exporter_factory: Any)
     assert not [v for v in evaluate(snap.ranks, snap.time) if v.kind == STRAGGLER]
     config = VerdictConfig(straggler_min_lateness=late / 2, straggler_min_samples=10)
     assert only_straggler(evaluate(snap.ranks, snap.time, config)).ranks == (1,)
+
+
+def test_a_peer_known_late_is_still_matched_with_what_came_before() -> None:
+    tracker = LatenessTracker()
+    key = ("job", "0", hash((0, 1)), "fr")
+    # Rank 1's manifest did not list the PG yet when rank 0 was read.
+    tracker.observe(key, {0: 100}, 0, arrivals(range(1, 11), {}, 0))
+    tracker.observe(key, {0: 100, 1: 101}, 1, arrivals(range(1, 11), {1: 0.5}, 1))
+    assert tracker.score(key, 1) == (pytest.approx(0.5), 10)

@@ -3,7 +3,8 @@
 ``evaluate`` is the engine; ``VerdictTracker`` turns successive evaluations into
 appear/clear events. Modules: ``findings`` (per-PG facts), ``matching`` (do
 entries at one seq agree, as torch's FR analyzer judges), ``graph`` (root causes
-across PGs), ``text`` (summary phrasing), ``verdicts`` (the public engine),
+across PGs), ``straggler`` (consistently late ranks), ``gpu`` (NVML facts behind
+a verdict), ``text`` (summary phrasing), ``verdicts`` (the public engine),
 ``tracker`` (appear/clear).
 """
 

@@ -77,8 +77,13 @@ def short_uuid(uuid: str) -> str:
 
 
 def gpu_facts(job_id: str, culprits: Iterable[int], waiting: Iterable[int], ranks: Mapping[tuple[str, int], RankState],
-              gpus: Any, slowdown: bool = False) -> tuple[str, dict[str, Any]]:
-    """(sentence to append to the summary, ``details["gpu"]``); ("", {}) when no involved rank's GPU is known."""
+              gpus: Any, hang: bool = True) -> tuple[str, dict[str, Any]]:
+    """(sentence to append to the summary, ``details["gpu"]``); ("", {}) when no involved rank's GPU is known.
+
+    ``hang``: the waiting ranks are blocked (their GPUs' load says how); False for a straggler, whose peers
+    keep computing between waits, so their load says nothing and the culprit's clock slowdowns do instead.
+    """
+    slowdown = not hang
     by_uuid = _by_uuid(gpus)
     if not by_uuid:
         return "", {}
@@ -108,7 +113,7 @@ def gpu_facts(job_id: str, culprits: Iterable[int], waiting: Iterable[int], rank
     if not details["culprits"] and not details["waiting"]:
         return "", {}
     utils = [g.utilization_ratio for g in waiting_gpus if g.utilization_ratio is not None and not g.lost]
-    if utils and len(utils) == len(waiting_gpus):
+    if hang and utils and len(utils) == len(waiting_gpus):
         power = [g.power_watts for g in waiting_gpus if g.power_watts is not None]
         at = f" at {_range(power)} W" if power else ""
         who = "the waiting ranks' GPUs are" if len(utils) > 1 else "the waiting rank's GPU is"

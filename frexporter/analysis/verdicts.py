@@ -1,6 +1,6 @@
 """The verdict engine: who is stuck, where, why, and how much watchdog budget is left (pure, no I/O).
 
-``evaluate(ranks, now, config)`` takes ``RankState`` objects from any source and
+``evaluate(ranks, now, config, gpus=None)`` takes ``RankState`` objects from any source and
 returns ``Verdict`` objects in a deterministic order:
 
 - one node's snapshot (``complete_view=False``): PG members on other nodes are
@@ -17,6 +17,10 @@ Metrics carry no in-flight entries, only a count and the oldest start time:
 ``with_oldest_start`` turns those into one synthetic entry with op ``""`` (the
 op is then unknown and mismatches cannot be judged, but missing ranks and
 budgets can). How findings become root causes: see ``findings`` and ``graph``.
+
+Besides hangs: ``straggler`` verdicts from the per-rank lateness scores in the
+model (``straggler``), and, when ``evaluate`` gets the node's ``GpuReading``,
+GPU facts attached to every verdict whose ranks run on its GPUs (``gpu``).
 """
 
 from __future__ import annotations
@@ -370,7 +374,7 @@ def _straggler(s: Straggler, ctx: _Context) -> Verdict:
 
 
 def _with_gpu_facts(v: Verdict, ranks: Mapping[RankKey, RankState], gpus: Any) -> Verdict:
-    sentence, facts = gpu_facts(v.job_id, v.ranks, v.waiting_ranks, ranks, gpus, slowdown=v.kind == STRAGGLER)
+    sentence, facts = gpu_facts(v.job_id, v.ranks, v.waiting_ranks, ranks, gpus, hang=v.kind != STRAGGLER)
     if not facts:
         return v
     summary = f"{v.summary} {sentence}" if sentence else v.summary

@@ -38,6 +38,7 @@ OTHER_OP = "other"
 DEFAULT_WINDOW = 200  # collectives per rank the lateness score averages over
 TRIM = 0.1  # share of the largest lateness samples left out of the score
 MAX_PENDING = 4096  # collectives per PG waiting for their other local ranks' entries
+LONE_PENDING = 64  # the same while the PG has only one known local member (cross-node PGs: most of them)
 
 
 def op_label(entry: FrEntry) -> str:
@@ -210,7 +211,7 @@ GroupKey = tuple[str, str, int, str]  # job, PG name, hash of its sorted global 
 
 @dataclass
 class _Group:
-    incarnation: frozenset[tuple[int, int]]  # (rank, pid) of the local members
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid of the incarnation its entries came from
     pending: dict[int, dict[int, tuple[float, float | None]]] = field(default_factory=dict)  # seq -> rank -> ...
     reported: dict[int, int] = field(default_factory=dict)  # rank -> highest seq seen
     windows: dict[int, deque[float]] = field(default_factory=dict)
@@ -229,14 +230,22 @@ class LatenessTracker:
         self._groups: dict[GroupKey, _Group] = {}
 
     def observe(self, key: GroupKey, members: Mapping[int, int], rank: int, entries: Iterable[FrEntry]) -> None:
-        """``members``: local rank -> pid of every local member of the PG (the observing rank included)."""
-        if len(members) < 2 or rank not in members:
+        """``members``: local rank -> pid of every local member of the PG known now (the observing rank
+        included). Arrivals are kept until every member has reported the collective, so a member whose
+        manifest shows up later still gets matched with what the others reported before."""
+        if rank not in members:
             return
-        incarnation = frozenset(members.items())
-        group = self._groups.get(key)
-        if group is None or group.incarnation != incarnation:
-            # A member restarted (or joined late): sequence numbers of another incarnation must not be matched.
-            group = self._groups[key] = _Group(incarnation)
+        group = self._groups.setdefault(key, _Group())
+        if any(group.pids.get(r, pid) != pid for r, pid in members.items()):
+            # A member restarted: sequence numbers of two incarnations must never be matched.
+            group.pending.clear()
+            group.reported.clear()
+            group.windows.clear()
+        group.pids.update(members)
+        lone = len(members) < 2
+        if lone:
+            # Nothing can settle: keep only the newest arrivals (entries come in record order).
+            entries = list(entries)[-LONE_PENDING:]
         for entry in entries:
             if entry.is_p2p or entry.collective_seq_id <= 0 or entry.time_created_ns <= 0:
                 continue
@@ -248,20 +257,28 @@ class LatenessTracker:
             if rank not in at or created < at[rank][0]:
                 at[rank] = (created, timeout)
             group.reported[rank] = max(group.reported.get(rank, 0), seq)
-        self._settle(group, tuple(members))
+        if not lone:
+            self._settle(group, tuple(members))
+        # A PG with one local member (across nodes: the usual case) never settles anything; keep only enough
+        # for a peer whose manifest lists the PG a little later.
+        self._trim(group, LONE_PENDING if lone else MAX_PENDING)
 
     def _settle(self, group: _Group, members: tuple[int, ...]) -> None:
+        keep = {}
         for seq in sorted(group.pending):
             at = group.pending[seq]
             if all(m in at for m in members):
-                del group.pending[seq]
                 self._score(group, at)
-            elif any(m not in at and group.reported.get(m, 0) > seq for m in members):
-                # A member went past seq without it: its entry fell out of the ring before we read it.
-                del group.pending[seq]
-        excess = len(group.pending) - MAX_PENDING
-        for seq in sorted(group.pending)[:max(0, excess)]:
-            del group.pending[seq]
+            elif not any(m not in at and group.reported.get(m, 0) > seq for m in members):
+                keep[seq] = at
+            # else a member went past seq without it: its entry fell out of the ring before we read it.
+        # A new dict: one that had a whole ring pending keeps its big table after deletions.
+        group.pending = keep
+
+    @staticmethod
+    def _trim(group: _Group, limit: int) -> None:
+        if len(group.pending) > limit:
+            group.pending = dict(sorted(group.pending.items())[-limit:])
 
     def _score(self, group: _Group, at: Mapping[int, tuple[float, float | None]]) -> None:
         first = min(created for created, _ in at.values())

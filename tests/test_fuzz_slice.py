@@ -1,0 +1,68 @@
+"""A short, deterministic slice of ``benchmarks/fuzz.py``: every parser of outside data, 300 cases each.
+
+Each case must return or raise the parser's documented error type, stay under the per-case CPU budget,
+and neither import nor execute anything. The full run (``python -m benchmarks.fuzz --cases 100000``)
+uses the same targets and strategies.
+"""
+
+from __future__ import annotations
+
+import pickle
+import pickletools
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+
+from benchmarks import fuzz
+
+CASES = 300
+# Crashes found in parsers this suite's author does not own; each entry goes when its owner fixes the parser.
+KNOWN_FAILURES = {
+    "webconfig.load": "yaml.safe_load raises plain ValueError (an int of more than 4300 digits) and "
+                      "RecursionError (deep nesting), which _load_yaml does not turn into WebConfigError",
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[n], strict=False))
+                                  if n in KNOWN_FAILURES else n for n in sorted(fuzz.TARGETS)])
+def test_parser_survives_fuzzing(name: str) -> None:
+    target = fuzz.TARGETS[name]
+    fuzz._warm_up(target)
+
+    @settings(max_examples=CASES, derandomize=True, database=None, deadline=None,
+              phases=[Phase.explicit, Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+    @given(target.strategy())
+    def check(data: bytes) -> None:
+        fuzz.run_case(target, data)  # a Failure names the broken contract; hypothesis shrinks the input
+
+    check()
+
+
+@pytest.mark.parametrize("name", sorted(fuzz.TARGETS))
+def test_seeds_pass(name: str) -> None:
+    """The valid files every strategy mutates are themselves accepted, so the fuzzing starts from real input."""
+    target = fuzz.TARGETS[name]
+    fuzz._warm_up(target)
+    outcomes = [fuzz.run_case(target, seed, cpu_budget_s=None)[0] for seed in target.seeds()]
+    assert "ok" in outcomes, outcomes
+
+
+def _names_code(data: bytes) -> bool:
+    """Whether a pickle asks for a global (a function or class): what the restricted unpickler refuses."""
+    try:
+        return any(op.name in ("GLOBAL", "STACK_GLOBAL", "INST") for op, _arg, _pos in pickletools.genops(data))
+    except ValueError:
+        return False
+
+
+HOSTILE = fuzz.hostile_pickles()
+
+
+@pytest.mark.parametrize("index", range(len(HOSTILE)))
+def test_hostile_pickles_are_refused_without_running_anything(index: int) -> None:
+    data = HOSTILE[index]
+    for name in ("frdump.safe_loads", "frdump.decode"):
+        fuzz.run_case(fuzz.TARGETS[name], data, cpu_budget_s=None)  # raises on a call, an import or a hang
+    if _names_code(data):
+        with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
+            fuzz.frdump.safe_loads(data)
