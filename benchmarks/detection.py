@@ -12,9 +12,11 @@ moment the rank acted on it (its marker file's mtime, or the SIGKILLed process's
 
 The stack is tests/promstack.py: the shipped rules with every timing multiplied by ``--scale`` (0.1:
 the desync threshold of 30 s becomes 3 s), scraped and evaluated every ``--interval`` seconds. The
-exporter's ``stuck_after`` defaults to the scaled desync threshold, as in the e2e tests. All settings
-are printed with the results. Exit status 1 when a fault goes undetected or blames the wrong rank, or
-when the soak sees any verdict or alert.
+exporter's ``stuck_after`` defaults to the scaled desync threshold, as in the e2e tests, and its
+``deep_interval`` to the shipped one times the scale (the in-flight ages of a PG with p2p traffic lag by
+up to that much, so left at 15 s it alone would outlast a 3 s threshold). All settings are printed with
+the results. Exit status 1 when a fault goes undetected or blames the wrong rank, or when the soak sees
+any verdict or fired alert.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -422,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                              "traffic is reported as of its last deep read, so its in-flight ages can run this "
                              "much behind; unscaled, that alone outlasts the scaled desync threshold")
     parser.add_argument("--soak-ranks", type=int, default=4)
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, spools)")
     parser.add_argument("--pause-fraction", type=float, default=0.5,
                         help="rank 0's pauses in the soak, as a fraction of stuck_after (default 0.5)")
     args = parser.parse_args(argv)
@@ -434,18 +438,24 @@ def main(argv: list[str] | None = None) -> int:
                         else args.deep_interval, rules=rules)
     print(settings.describe(), flush=True)
     root = Path(tempfile.mkdtemp(prefix="frexporter-detection-"))
-    with running_stack(root / "stack", scale=args.scale, interval=args.interval) as stack:
-        if args.soak is not None:
-            return 0 if run_soak(stack, settings, args.soak, root / "soak", args.soak_ranks,
-                                 args.pause_fraction) else 1
-        results = []
-        for fault in FAULTS:
-            if fault.kind in args.faults:
-                print(f"injecting {fault.kind}: {fault.what} ...", flush=True)
-                results.append(run_fault(stack, settings, fault, root / fault.kind))
-        print()
-        print_table(results, settings)
-        return 0 if all(r.ok for r in results) else 1
+    try:
+        with running_stack(root / "stack", scale=args.scale, interval=args.interval) as stack:
+            if args.soak is not None:
+                return 0 if run_soak(stack, settings, args.soak, root / "soak", args.soak_ranks,
+                                     args.pause_fraction) else 1
+            results = []
+            for fault in FAULTS:
+                if fault.kind in args.faults:
+                    print(f"injecting {fault.kind}: {fault.what} ...", flush=True)
+                    results.append(run_fault(stack, settings, fault, root / fault.kind))
+            print()
+            print_table(results, settings)
+            return 0 if all(r.ok for r in results) else 1
+    finally:
+        if args.keep:
+            print(f"kept {root} (job logs, spools, Prometheus and Alertmanager logs)")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Fuzzing of every parser of outside data: spool files, FR dumps (JSON and pickle), worker-server and
-Prometheus answers.
+Prometheus answers, the web config file and the Authorization header.
 
 Each target takes bytes (the outside data as it arrives) and runs the parser plus what consumes its
 result. A case passes when it returns or raises one of the target's documented error types, its CPU

@@ -37,6 +37,9 @@ def main() -> None:
             # The injected bug: this rank skips one collective its pair partner is waiting in.
             with open(os.path.join(control, "injected"), "w") as f:
                 f.write(f"{time.time()} {step}")
+            # Then it computes a while before its next collective, as a training step would: its partner
+            # is by then already waiting in the skipped one, which is how the root gets told apart.
+            time.sleep(1.0)
         elif pair is not None:
             dist.all_reduce(grad, group=pair)
         time.sleep(STEP_SECONDS)

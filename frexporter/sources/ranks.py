@@ -75,6 +75,8 @@ class _PGTrack:
     has_p2p: bool = False
     last_completed: int | None = None
     last_progress: float | None = None
+    # (seq, created) of an in-flight entry -> its age in seconds and our monotonic time when first seen
+    seen_inflight: dict[tuple[int, float], tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,7 +88,8 @@ class _RankTrack:
     snapshot_sig: _FileSig = field(default_factory=_FileSig)
     last_fresh: float | None = None  # our clock when a new snapshot counter was last seen
     deep_raw: dict[str, dict[int, RawPGStatus]] = field(default_factory=dict)  # recorder -> raw at deep read
-    deep_time: float | None = None
+    deep_time: float | None = None  # wall clock of the last deep read (exported)
+    deep_mono: float | None = None  # the same moment on the monotonic clock (spacing decisions)
     deep_pending: cf.Future | None = None
     ping_pending: cf.Future | None = None
     socket_alive: bool | None = None
@@ -102,9 +105,14 @@ class _RankTrack:
 class RanksSource:
     name = "ranks"
 
-    def __init__(self, config: RanksConfig, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: RanksConfig, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] | None = None) -> None:
         self.config = config
         self.clock = clock
+        # Intervals (freshness, read spacing, grace) run on a monotonic clock so that a wall-clock jump
+        # (NTP step, VM resume) neither makes every rank look stale nor every collective look old. A test
+        # that fakes the wall clock gets the same fake for intervals unless it passes its own.
+        self.monotonic = monotonic or (time.monotonic if clock is time.time else clock)
         self._ranks: dict[str, _RankTrack] = {}
         self._bad_files: dict[str, tuple[_FileSig, str]] = {}  # path -> (sig, reason) already reported
         self._logged: set[tuple[str, str]] = set()
@@ -124,14 +132,15 @@ class RanksSource:
     def collect(self) -> tuple[RankState, ...]:
         self.errors = []
         now = self.clock()
+        mono = self.monotonic()
         entries = self._scan()
         self._load_manifests(entries)
         for track in self._ranks.values():
             self._load_snapshot(track, entries)
-        self._schedule_socket_work(now)
+        self._schedule_socket_work(mono)
         self._await_socket_work()
         tracks = sorted(self._ranks.values(), key=lambda t: (t.manifest.job_id, t.manifest.rank))
-        states = tuple(s for s in (self._rank_state(track, now) for track in tracks) if s is not None)
+        states = tuple(s for s in (self._rank_state(track, now, mono) for track in tracks) if s is not None)
         live_jobs = {t.manifest.job_id for t in self._ranks.values()}
         self._collectives.forget_jobs(live_jobs)
         self._lateness.forget({key for t in self._ranks.values() for key in self._group_keys(t).values()})
@@ -225,9 +234,9 @@ class RanksSource:
         if track.snapshot is None:
             # First sight (e.g. the exporter restarted mid-hang): trust the rank's own timestamp, both
             # processes read the same node clock.
-            track.last_fresh = min(self.clock(), snap.time)
+            track.last_fresh = self.monotonic() - max(0.0, self.clock() - snap.time)
         elif snap.counter != track.snapshot.counter:
-            track.last_fresh = self.clock()
+            track.last_fresh = self.monotonic()
         track.snapshot = snap
 
     # ------------------------------------------------------------------ sockets
@@ -237,37 +246,37 @@ class RanksSource:
             return None
         return os.path.join(self.config.directory, track.manifest.socket)
 
-    def _stale(self, track: _RankTrack, now: float) -> bool:
+    def _stale(self, track: _RankTrack, mono: float) -> bool:
         snap = track.snapshot
         if snap is None or track.last_fresh is None:
             return True
         allowed = max(3 * snap.interval, 1.0) + self.config.poll_interval
-        return now - track.last_fresh > allowed
+        return mono - track.last_fresh > allowed
 
-    def _schedule_socket_work(self, now: float) -> None:
+    def _schedule_socket_work(self, mono: float) -> None:
         for track in self._ranks.values():
             path = self._socket_path(track)
             if path is None:
                 continue
             if track.snapshot is not None and track.snapshot.state == "exiting":
                 continue
-            stale = self._stale(track, now)
+            stale = self._stale(track, mono)
             if stale and track.ping_pending is None and track.deep_pending is None:
                 track.ping_pending = self._pool.submit(worker_client.ping, path, self.config.rank_timeout)
-            if track.deep_pending is None and self._wants_deep_read(track, now, stale):
+            if track.deep_pending is None and self._wants_deep_read(track, mono, stale):
                 track.deep_pending = self._pool.submit(self._deep_read, track.manifest, path)
 
-    def _wants_deep_read(self, track: _RankTrack, now: float, stale: bool) -> bool:
+    def _wants_deep_read(self, track: _RankTrack, mono: float, stale: bool) -> bool:
         if not track.manifest.recorders:
             return False
-        if track.deep_time is not None and now - track.deep_time < self.config.poll_interval * 0.9:
+        if track.deep_mono is not None and mono - track.deep_mono < self.config.poll_interval * 0.9:
             return False
         if stale:
             return track.socket_alive is not False
         raw = self._current_raw(track)
         if not raw:
             return False
-        if track.deep_time is None:
+        if track.deep_mono is None:
             return True
         for recorder, statuses in raw.items():
             known = track.learned_ids.get(recorder, {})
@@ -285,7 +294,7 @@ class RanksSource:
                 # counters off the collective domain) is refreshed at most every deep_interval.
                 if settled and pending:
                     return True
-                if now - track.deep_time >= self.config.deep_interval:
+                if mono - track.deep_mono >= self.config.deep_interval:
                     return True
         return False
 
@@ -306,7 +315,7 @@ class RanksSource:
         futures = [f for t in self._ranks.values() for f in (t.deep_pending, t.ping_pending) if f is not None]
         if futures:
             cf.wait(futures, timeout=self.config.rank_timeout)
-        now = self.clock()
+        now, mono = self.clock(), self.monotonic()
         for track in self._ranks.values():
             if track.ping_pending is not None and track.ping_pending.done():
                 future, track.ping_pending = track.ping_pending, None
@@ -319,14 +328,15 @@ class RanksSource:
                 future, track.deep_pending = track.deep_pending, None
                 try:
                     self._absorb_deep(track, future.result(), now)
+                    track.deep_mono = mono
                     track.socket_alive = True
                 except SourceError as e:
                     if e.reason in ("socket_missing", "socket_refused"):
                         track.socket_alive = False
-                    track.deep_time = now  # do not hammer a failing socket every poll
+                    track.deep_time, track.deep_mono = now, mono  # do not hammer a failing socket every poll
                     self._log_once(track, e)
                 except Exception as e:  # a torch answer we do not understand must not stop the poll
-                    track.deep_time = now
+                    track.deep_time, track.deep_mono = now, mono
                     self._log_once(track, SourceError("bad_response", f"{track.stem}: {e!r}"))
 
     def _log_once(self, track: _RankTrack, err: SourceError) -> None:
@@ -416,10 +426,10 @@ class RanksSource:
             return {}
         return {recorder: dict(statuses) for recorder, statuses in track.snapshot.status.items()}
 
-    def _rank_state(self, track: _RankTrack, now: float) -> RankState | None:
+    def _rank_state(self, track: _RankTrack, now: float, mono: float) -> RankState | None:
         m = track.manifest
         snap = track.snapshot
-        stale = self._stale(track, now)
+        stale = self._stale(track, mono)
         if snap is not None and snap.state == "exiting":
             status = RANK_EXITED
         elif not stale:
@@ -433,18 +443,18 @@ class RanksSource:
         if status in (RANK_OK, RANK_UNRESPONSIVE):
             track.departed_at = None
         elif track.departed_at is None:
-            track.departed_at = now
+            track.departed_at = mono
         # A clean exit is the normal end of a job, not an outage: stop exporting the rank at once.
         if status == RANK_EXITED:
             return None
-        if track.departed_at is not None and now - track.departed_at > self.config.departed_grace:
+        if track.departed_at is not None and mono - track.departed_at > self.config.departed_grace:
             return None
 
         raw = self._current_raw(track)
         if status == RANK_UNRESPONSIVE and track.deep_raw:
             # Python is wedged but its C++ worker server answered: that pg_status is the fresh one.
             raw = {r: dict(s) for r, s in track.deep_raw.items()}
-        pgs = self._pg_states(track, raw, now)
+        pgs = self._pg_states(track, raw, now, mono)
         track.prev_raw = raw
         heartbeat = snap.time if snap is not None else None
         return RankState(
@@ -468,7 +478,7 @@ class RanksSource:
             handlers=m.handlers,
         )
 
-    def _pg_states(self, track: _RankTrack, raw: dict[str, dict[int, RawPGStatus]], now: float
+    def _pg_states(self, track: _RankTrack, raw: dict[str, dict[int, RawPGStatus]], now: float, mono: float
                    ) -> tuple[PGState, ...]:
         table = {pg.name: pg for pg in track.manifest.process_groups}
         # NCCL's recorder is the one that sees GPU collectives; prefer it where a PG has both.
@@ -485,7 +495,7 @@ class RanksSource:
         for name, (recorder, _pg_id, status) in sorted(chosen.items()):
             entry = table.get(name) or PGEntry(name=name, desc="", ranks=(), backend=recorder)
             pg = track.pgs.setdefault(name, _PGTrack())
-            state = self._pg_state(entry, pg, status, recorder, track, now)
+            state = self._pg_state(entry, pg, status, recorder, track, now, mono)
             key = keys.get((recorder, name))
             if key is not None:
                 lateness, samples = self._lateness.score(key, track.manifest.rank)
@@ -496,7 +506,7 @@ class RanksSource:
 
     @staticmethod
     def _pg_state(entry: PGEntry, pg: _PGTrack, status: RawPGStatus, recorder: str, track: _RankTrack,
-                  now: float) -> PGState:
+                  now: float, mono: float) -> PGState:
         deep = pg.deep
         exact = True
         inflight: tuple[InflightCollective, ...] = ()
@@ -512,6 +522,7 @@ class RanksSource:
             enqueued, started, completed = deep.enqueued, deep.started, deep.completed
             inflight = deep.inflight
             exact = False
+        inflight = _steady_ages(pg, inflight, now, mono)
         if pg.last_completed is not None and completed != pg.last_completed:
             pg.last_progress = now
         pg.last_completed = completed
@@ -534,3 +545,23 @@ class RanksSource:
             exact=exact,
             has_p2p=pg.has_p2p,
         )
+
+
+def _steady_ages(pg: _PGTrack, inflight: tuple[InflightCollective, ...], now: float, mono: float
+                 ) -> tuple[InflightCollective, ...]:
+    """In-flight entries whose ``created`` survives wall-clock jumps.
+
+    FR stamps entries with the wall clock. From the first time we see an entry its age grows with the
+    monotonic clock instead, and ``created`` is restated as ``now - age``: a clock stepped forward an hour
+    must not make a 2-second-old collective look an hour old (a false verdict) or the reverse.
+    """
+    seen: dict[tuple[int, float], tuple[float, float]] = {}
+    out = []
+    for entry in inflight:
+        key = (entry.seq, entry.created)
+        first = pg.seen_inflight.get(key) or (max(0.0, now - entry.created), mono)
+        seen[key] = first
+        created = now - (first[0] + max(0.0, mono - first[1]))
+        out.append(entry if abs(created - entry.created) < 1e-3 else replace(entry, created=created))
+    pg.seen_inflight = seen
+    return tuple(out)
