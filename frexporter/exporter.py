@@ -32,7 +32,7 @@ class Source(Protocol):
 class _SourceTrack:
     source: Source
     interval: float
-    last_run: float | None = None
+    last_run: float | None = None  # monotonic
     value: Any = None
     up: bool = False
     duration: float = 0.0
@@ -52,11 +52,14 @@ class Exporter:
         poll_interval: float = 1.0,
         analyzer: Analyzer | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] | None = None,
         hostname: str | None = None,
     ) -> None:
         self.poll_interval = poll_interval
         self.analyzer = analyzer
         self.clock = clock
+        # Source intervals run on a monotonic clock: a wall clock stepped back must not stop polling.
+        self.monotonic = monotonic or (time.monotonic if clock is time.time else clock)
         self.hostname = hostname or socket.gethostname()
         self._tracks = [_SourceTrack(source=s, interval=i, errors_total={}) for s, i in sources]
         self._snapshot = NodeSnapshot.empty(self.hostname, clock())
@@ -96,10 +99,11 @@ class Exporter:
             self._stop.wait(max(0.0, self.poll_interval - (time.monotonic() - started)))
 
     def poll_once(self) -> NodeSnapshot:
-        now = self.clock()
+        now, mono = self.clock(), self.monotonic()
         for track in self._tracks:
-            if track.last_run is None or now - track.last_run >= track.interval * 0.95:
+            if track.last_run is None or mono - track.last_run >= track.interval * 0.95:
                 self._collect(track, now)
+                track.last_run = mono
         ranks: tuple[RankState, ...] = ()
         collectives: tuple[CollectiveStats, ...] = ()
         gpus = None
@@ -171,7 +175,6 @@ class Exporter:
             log.debug("source %s raised", track.source.name, exc_info=True)
         finally:
             track.duration = time.perf_counter() - started
-            track.last_run = now
         for reason, message in getattr(track.source, "errors", ()) or ():
             errors[reason] = errors.get(reason, 0) + 1
             track.last_error = message
