@@ -520,8 +520,12 @@ class RanksSource:
         else:
             assert deep is not None
             enqueued, started, completed = deep.enqueued, deep.started, deep.completed
-            inflight = deep.inflight
             exact = False
+            # p2p traffic keeps torch's raw counters off the collective domain, so values stay as of the last
+            # deep read. Its in-flight entries are still in flight only while nothing completed since: once
+            # the rank completes anything, reporting them would show a finished collective waiting for ever
+            # longer (a phantom wait the desync alert would page on).
+            inflight = deep.inflight if status.completed == deep.raw.completed else ()
         inflight = _steady_ages(pg, inflight, now, mono)
         if pg.last_completed is not None and completed != pg.last_completed:
             pg.last_progress = now
@@ -539,7 +543,8 @@ class RanksSource:
             last_started=started,
             last_completed=completed,
             inflight=inflight,
-            inflight_count=max(0, enqueued - completed),
+            inflight_count=max(0, enqueued - completed) if exact or inflight else max(
+                0, min(enqueued - completed, status.enqueued - status.completed)),
             timeout_seconds=timeout,
             last_progress=pg.last_progress,
             exact=exact,
