@@ -19,6 +19,7 @@ import http.client
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -127,11 +128,11 @@ def _scraper_process(port: int, path: str, accept: str, threads: int, start_at: 
     results.put({"latencies": latencies, "errors": errors, "reconnects": sum(o.get("reconnects", 0) for o in outs)})
 
 
-def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+def _wait_ready(port: int, proc: subprocess.Popen[bytes], log_path: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"frexporter serve exited with {proc.returncode}")
+            raise RuntimeError(f"frexporter serve exited with {proc.returncode} (log: {log_path})")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
                 if b"frexporter_rank_up" in resp.read():
@@ -157,12 +158,14 @@ def run(ranks: int, pgs: int, scrapers: int, procs: int, seconds: float, poll_in
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(ranks), str(pgs)], env=env,
                               stdin=subprocess.PIPE)
     port = _free_port()
+    # A file, not a pipe: nobody reads the exporter's log during the run, and a full pipe would block it.
+    log = open(directory.parent / f"{directory.name}.log", "wb")  # noqa: SIM115 - closed in finally
     exporter = subprocess.Popen(
         [sys.executable, "-m", "frexporter", "serve", "--dir", str(directory), "--listen", f"127.0.0.1:{port}",
          "--poll-interval", str(poll_interval), "--no-nvml", "--evidence-dir", ""],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
-        _wait_ready(port, exporter)
+        _wait_ready(port, exporter, log.name)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             series = sum(1 for line in resp.read().decode().splitlines() if line and not line.startswith("#"))
         results: Any = mp.get_context("spawn").Queue()
@@ -213,6 +216,9 @@ def run(ranks: int, pgs: int, scrapers: int, procs: int, seconds: float, poll_in
             exporter.wait()
         writer.kill()
         writer.wait()
+        log.close()
+        shutil.rmtree(directory, ignore_errors=True)
+        os.unlink(log.name)
 
 
 def main() -> int:

@@ -373,6 +373,7 @@ def run(nodes: int, history: float, margin: float, repeats: int, keep: bool) -> 
             raise RuntimeError(f"the pipeline took {at - generated:.0f}s, beyond the {margin:.0f}s margin: "
                                "rerun with a larger --margin")
         report["eval_time_after_desync_s"] = round(at - sc.desync_at, 1)
+        report["evaluated_at"] = at
         # analyze reads the live series at the wall-clock time, so it goes first; the rules are then
         # evaluated at the fixed time ``at`` through the API's time parameter, however long they take.
         report["analyze"] = time_analyze(base, sc)

@@ -43,7 +43,18 @@ def _help(doc: str) -> str:
     return doc.replace("\\", r"\\").replace("\n", r"\n")
 
 
-def _encode_family(metric: Metric, out: list[str]) -> None:
+def _label_body(labels: dict[str, str], cache: dict[tuple[tuple[str, ...], tuple[str, ...]], str]) -> str:
+    # Per (rank, PG) the same label set recurs in every PG family; build and escape its text once per scrape.
+    key = (tuple(labels), tuple(labels.values()))
+    body = cache.get(key)
+    if body is None:
+        body = ",".join(_label_key(k) + _value(labels[k]) + '"' for k in sorted(labels))
+        cache[key] = body
+    return body
+
+
+def _encode_family(metric: Metric, out: list[str], cache: dict[tuple[tuple[str, ...], tuple[str, ...]], str]
+                   ) -> None:
     mname, mtype = metric.name, metric.type
     if mtype == "counter":
         mname += "_total"
@@ -56,8 +67,7 @@ def _encode_family(metric: Metric, out: list[str]) -> None:
     for s in metric.samples:
         labels = s.labels
         if labels:
-            body = ",".join(_label_key(k) + _value(labels[k]) + '"' for k in sorted(labels))
-            line = f"{_name(s.name)}{{{body}}} {floatToGoString(s.value)}"
+            line = f"{_name(s.name)}{{{_label_body(labels, cache)}}} {floatToGoString(s.value)}"
         else:
             line = f"{_name(s.name)} {floatToGoString(s.value)}"
         if s.timestamp is not None:
@@ -77,8 +87,9 @@ def _encode_family(metric: Metric, out: list[str]) -> None:
 
 def encode_families(families: Iterable[Metric]) -> bytes:
     out: list[str] = []
+    cache: dict[tuple[tuple[str, ...], tuple[str, ...]], str] = {}
     for metric in families:
-        _encode_family(metric, out)
+        _encode_family(metric, out, cache)
     return "".join(out).encode("utf-8")
 
 
