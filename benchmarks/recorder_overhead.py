@@ -122,3 +122,7 @@ def main() -> None:
         print(f"GIL held per snapshot: {read + enc:.1f} us (read pg_status {read:.1f} + JSON encode {enc:.1f}); "
               f"budget < 200 us")
         print(f"file write + rename:   {write:.1f} us of thread CPU in syscalls, GIL released")
+
+
+if __name__ == "__main__":
+    main()
