@@ -112,3 +112,11 @@ GPU_REMAPPED_ROWS_FAILED = PREFIX + "gpu_remapped_rows_failed"
 GPU_PCIE_REPLAY_TOTAL = PREFIX + "gpu_pcie_replay_total"
 GPU_NVLINK_ERRORS_TOTAL = PREFIX + "gpu_nvlink_errors_total"
 GPU_XID_ERRORS_TOTAL = PREFIX + "gpu_xid_errors_total"
+
+# Where the exporter runs (Kubernetes downward API); outputs/identity.py.
+EXPORTER_INFO = PREFIX + "exporter_info"
+EXPORTER_IDENTITY_MISSING = PREFIX + "exporter_identity_missing"
+L_POD = "pod"
+L_NAMESPACE = "namespace"
+L_NODE = "node"
+L_LABEL = "label"

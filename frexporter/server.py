@@ -27,6 +27,7 @@ from frexporter.evidence import VERDICT_FILE
 from frexporter.exporter import Exporter
 from frexporter.outputs import exposition
 from frexporter.outputs.api import status_html, status_json
+from frexporter.outputs.identity import IdentityCollector
 from frexporter.outputs.prometheus import SnapshotCollector
 from frexporter.webconfig import BasicAuth, TLSContextSource, WebConfig
 
@@ -253,6 +254,7 @@ class MetricsServer:
                  debug_endpoints: bool = False, evidence_dir: str = "") -> None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(SnapshotCollector(lambda: exporter.snapshot))
+        registry.register(IdentityCollector())
         # Built before binding: a bad certificate or a missing bcrypt must not leave a listening socket behind.
         tls = TLSContextSource(web_config.tls) if web_config is not None and web_config.tls is not None else None
         auth = BasicAuth(web_config.basic_auth_users) if web_config is not None and web_config.basic_auth_users \
