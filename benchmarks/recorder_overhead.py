@@ -38,10 +38,14 @@ t = torch.ones(256)
 for _ in range(300):
     dist.all_reduce(t)
 dist.barrier()
-start = time.perf_counter()
+import resource
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+start, cpu0 = time.perf_counter(), cpu()
 for _ in range(steps):
     dist.all_reduce(t)
-elapsed = time.perf_counter() - start
+elapsed, cpu_used = time.perf_counter() - start, cpu() - cpu0
 parts = {}
 if rank == 0 and mode == "B":
     # The snapshot's GIL-holding parts, timed on their own with thread CPU time (no syscalls inside):
@@ -63,7 +67,8 @@ if rank == 0 and mode == "B":
              "write_file_us": cpu_us(lambda: spool.write_json_atomic(out + ".probe", payload), 200)}
 if rank == 0:
     with open(out, "w") as f:
-        json.dump({"step_us": elapsed / steps * 1e6, "ticks": ticks[2:], "parts": parts}, f)
+        json.dump({"step_us": elapsed / steps * 1e6, "cpu_us": cpu_used / steps * 1e6, "ticks": ticks[2:],
+                   "parts": parts}, f)
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -98,19 +103,25 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="frexporter-overhead-"))
     a_steps, b_steps, ticks, parts = [], [], [], []
+    a_cpu, b_cpu = [], []
     for i in range(args.pairs):
         for mode in ("A", "B") if i % 2 == 0 else ("B", "A"):
             result = run(mode, args.steps, workdir, args.interval)
             (a_steps if mode == "A" else b_steps).append(result["step_us"])
+            (a_cpu if mode == "A" else b_cpu).append(result["cpu_us"])
             ticks.extend(result["ticks"])
             if result["parts"]:
                 parts.append(result["parts"])
-            print(f"run {i + 1}/{args.pairs} {mode}: {result['step_us']:.1f} us/all_reduce", flush=True)
+            print(f"run {i + 1}/{args.pairs} {mode}: {result['step_us']:.1f} us/all_reduce, "
+                  f"{result['cpu_us']:.1f} us CPU", flush=True)
     a, b = statistics.median(a_steps), statistics.median(b_steps)
     print()
     print(f"FR alone (A):         median {a:8.1f} us per all_reduce over {args.pairs} runs")
     print(f"FR + recorder (B):    median {b:8.1f} us per all_reduce over {args.pairs} runs")
     print(f"ratio B/A:            {b / a:.4f}  ({(b / a - 1) * 100:+.2f}%; budget < +0.5%)")
+    ca, cb = statistics.median(a_cpu), statistics.median(b_cpu)
+    print(f"rank-0 CPU per all_reduce (all threads): A {ca:.1f} us, B {cb:.1f} us, ratio {cb / ca:.4f} "
+          "(less sensitive to scheduling noise than wall time)")
     if ticks:
         wall = sorted(t * 1e3 for t in ticks)
         print(f"snapshots timed:      {len(ticks)} at a {args.interval:g} s interval; wall per snapshot median "
