@@ -178,6 +178,8 @@ def _load_yaml(text: str, path: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise WebConfigError(f"web config {path}: not valid YAML: {' '.join(str(e).split())}") from e
+    except (ValueError, RecursionError) as e:  # e.g. an int of 5000 digits, or nesting thousands deep
+        raise WebConfigError(f"web config {path}: cannot be read: {type(e).__name__}: {str(e)[:200]}") from e
 
 
 def parse(obj: Any, base_dir: str = ".", path: str = "<web config>") -> WebConfig:

@@ -130,7 +130,10 @@ def test_spool_directory_deleted_and_recreated(job_factory, exporter_factory) ->
     job.wait_ready()
     exp = exporter_factory(job.spool)
     wait_for(lambda: len(exp.snapshot.ranks) == 2, timeout=20, what="both ranks")
-    shutil.rmtree(job.spool)
+    # Rename first: the ranks write into the directory all the time, and rmtree would race them.
+    gone = job.spool.with_name("spool.removed")
+    job.spool.rename(gone)
+    shutil.rmtree(gone)
     # The exporter serves an empty node meanwhile; the ranks put their files (and sockets) back.
     wait_for(lambda: all(r.status == RANK_OK for r in exp.snapshot.ranks) and len(exp.snapshot.ranks) == 2
              and all(r.pgs for r in exp.snapshot.ranks) and job.spool.exists()

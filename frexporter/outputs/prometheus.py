@@ -100,7 +100,8 @@ class SnapshotCollector(Collector):
         timeout = GaugeMetricFamily(n.PG_TIMEOUT_SECONDS, "Watchdog timeout of the process group.",
                                     labels=labels)
         progress = GaugeMetricFamily(n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS,
-                                     "Unix time the completed sequence last advanced.", labels=labels)
+                                     "Unix time the completed sequence last advanced (first seen: the newest "
+                                     "completed collective's creation time, a lower bound).", labels=labels)
         straggler = GaugeMetricFamily(n.RANK_STRAGGLER_SCORE,
                                       "Seconds the rank enqueues this PG's collectives after its first local peer, "
                                       "mean over recent collectives (slowest tenth left out); only where the node "

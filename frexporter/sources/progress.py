@@ -32,6 +32,9 @@ class DeepView:
     has_p2p: bool
     timeout_seconds: float | None
     known: bool  # False when no entry of this pg was left in the ring: values are the raw ones
+    # Creation time of the newest completed collective: completion came no earlier. FR records no completion
+    # time for gloo, so this is what a freshly started exporter can say about the last progress.
+    completed_created: float | None = None
 
 
 def _inflight(entry: FrEntry) -> InflightCollective:
@@ -85,5 +88,7 @@ def translate(dump: FrDump) -> dict[int, DeepView]:
             has_p2p=has_p2p,
             timeout_seconds=timeout,
             known=True,
+            completed_created=max((e.time_created_ns / 1e9 for e in collectives
+                                   if e.done and e.collective_seq_id <= completed), default=None),
         )
     return views

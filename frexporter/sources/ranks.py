@@ -529,6 +529,8 @@ class RanksSource:
         inflight = _steady_ages(pg, inflight, now, mono)
         if pg.last_completed is not None and completed != pg.last_completed:
             pg.last_progress = now
+        elif pg.last_progress is None and deep is not None and deep.completed_created is not None and completed > 0:
+            pg.last_progress = min(now, deep.completed_created)  # first sight: a lower bound from FR
         pg.last_completed = completed
         timeout = entry.timeout_seconds
         if deep is not None and deep.timeout_seconds:
