@@ -9,7 +9,10 @@
    stop. ``promtool tsdb create-blocks-from openmetrics`` turns it into TSDB blocks.
 3. Prometheus 2.42 starts on those blocks with ``frexporter.rules.render_rules()``; every alert and
    recording rule expression is timed through ``/api/v1/query`` (``stats=all``) at the evaluation time,
-   and the alerts' answers are checked (the desync alert must name exactly the culprit).
+   and the alerts' answers are checked (the desync alert must name exactly the culprit). Meanwhile the
+   rule manager runs at a 1 h interval, so that it does not evaluate the same expressions on the same
+   cores; afterwards it is reloaded at the shipped 15 s and its own per-group evaluation times and
+   missed iterations are read from ``/api/v1/rules`` and its ``/metrics``.
 4. ``frexporter.analysis.report.from_prometheus`` (what ``frexporter analyze --prometheus`` runs) is
    timed and must name the culprit; the CLI is timed too.
 
@@ -356,15 +359,17 @@ def run(nodes: int, history: float, margin: float, repeats: int, keep: bool) -> 
         rules = work / "frexporter.rules.yml"
         rules.write_text(render_rules())
         config = work / "prometheus.yml"
-        config.write_text(yaml.safe_dump({"global": {"scrape_interval": "15s", "evaluation_interval": "15s"},
-                                          "rule_files": [str(rules)]}))
+        # The rule manager is held at a 1 h interval while the query API is timed (at 15 s it would evaluate
+        # the same expressions concurrently on the same cores), then reloaded at 15 s for its own timings.
+        write_config(config, rules, "1h")
         subprocess.run(["promtool", "check", "config", str(config)], check=True, stdout=subprocess.DEVNULL)
         port = _free_port()
         base = f"http://127.0.0.1:{port}"
         t0 = time.monotonic()
         prometheus = subprocess.Popen(
             ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={data}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=30d", "--log.level=error"],
+             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=30d", "--log.level=error",
+             "--web.enable-lifecycle"],
             stdout=subprocess.DEVNULL, stderr=open(work / "prometheus.log", "wb"))  # noqa: SIM115 - lives with it
         _wait_ready(base, prometheus)
         report["prometheus_ready_s"] = round(time.monotonic() - t0, 1)
@@ -382,6 +387,8 @@ def run(nodes: int, history: float, margin: float, repeats: int, keep: bool) -> 
         report["series_in_prometheus"] = int(float(
             instant(base, 'count({__name__=~".+"})', at)[0]["data"]["result"][0]["value"][1]))
         report["rules"] = evaluate_rules(base, at, repeats, sc)
+        write_config(config, rules, "15s")
+        report["rule_manager"] = rule_manager_timings(base)
         report["prometheus_rss_mb"] = round(_rss_mb(prometheus.pid), 1)
         return report
     finally:
@@ -396,6 +403,63 @@ def run(nodes: int, history: float, margin: float, repeats: int, keep: bool) -> 
             report["workdir"] = str(work)
         else:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def write_config(path: Path, rules: Path, evaluation_interval: str) -> None:
+    path.write_text(yaml.safe_dump({"global": {"scrape_interval": "15s", "evaluation_interval": evaluation_interval},
+                                    "rule_files": [str(rules)]}))
+
+
+def _prometheus_metric(base: str, name: str) -> dict[str, float]:
+    """One metric family from Prometheus' own /metrics, by its ``rule_group`` label."""
+    with urllib.request.urlopen(base + "/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            group = re.search(r'rule_group="[^"]*;([^"]*)"', line)
+            out[group.group(1) if group else line] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def rule_manager_timings(base: str, rounds: int = 2, timeout: float = 600.0) -> dict[str, Any]:
+    """Prometheus' own evaluation of the rule groups at the shipped 15 s interval (groups run in
+    parallel; a group slower than the interval skips iterations): after ``rounds`` evaluations of each."""
+    reloaded = time.time()
+    with urllib.request.urlopen(urllib.request.Request(base + "/-/reload", method="POST"), timeout=60):
+        pass
+    deadline = time.monotonic() + timeout
+    seen: dict[str, set[str]] = {}
+    groups: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        groups = _get(base + "/api/v1/rules")["data"]["groups"]
+        for g in groups:
+            if g["lastEvaluation"] and _rfc3339(g["lastEvaluation"]) > reloaded:
+                seen.setdefault(g["name"], set()).add(g["lastEvaluation"])
+        if groups and all(len(seen.get(g["name"], ())) >= rounds for g in groups):
+            break
+        time.sleep(1.0)
+    missed = _prometheus_metric(base, "prometheus_rule_group_iterations_missed_total")
+    return {
+        "interval_s": 15.0,
+        "rounds_seen": {name: len(v) for name, v in seen.items()},
+        "groups": [{"group": g["name"], "evaluation_ms": round(g["evaluationTime"] * 1e3, 1),
+                    "iterations_missed": missed.get(g["name"], 0.0),
+                    "rules": {r["name"]: round(r["evaluationTime"] * 1e3, 1) for r in g["rules"]}}
+                   for g in groups],
+    }
+
+
+def _rfc3339(text: str) -> float:
+    """Prometheus' RFC 3339 timestamps (nanosecond fractions, Z or an offset) as unix seconds."""
+    from datetime import datetime
+
+    m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", text)
+    if m is None:
+        raise ValueError(f"not an RFC 3339 time: {text!r}")
+    zone = "+00:00" if m.group(3) == "Z" else m.group(3)
+    whole = datetime.fromisoformat(m.group(1) + zone).timestamp()
+    return whole + float(m.group(2) or 0.0)
 
 
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float = 600.0) -> None:
@@ -519,6 +583,14 @@ def print_report(r: dict[str, Any], extrapolate_to: int | None) -> None:
               f"{row['wall_ms_median']:>8} {row['wall_ms_first']:>8}  {check}")
     total = sum(row["eval_ms_median"] for row in r["rules"])
     print(f"  all rules together: {total:.0f} ms of query evaluation per evaluation round")
+    rm = r.get("rule_manager")
+    if rm:
+        print(f"\n  Prometheus' own rule manager at the shipped {rm['interval_s']:.0f} s interval (groups in "
+              f"parallel), after {min(rm['rounds_seen'].values(), default=0)} rounds:")
+        for g in rm["groups"]:
+            slow = "  SLOWER THAN THE INTERVAL" if g["evaluation_ms"] > rm["interval_s"] * 1e3 else ""
+            print(f"    {g['group']:<26} {g['evaluation_ms']:>9.1f} ms per round, iterations missed "
+                  f"{g['iterations_missed']:.0f}{slow}")
     a = r["analyze"]
     print(f"\n  analyze --prometheus: {a['in_process_s']} s in process (from_prometheus), {a['cli_s']} s as a CLI; "
           f"{a['ranks_seen']} ranks; verdicts {a['verdicts']} -> {'culprit named' if a['correct'] else 'WRONG'}")

@@ -16,7 +16,7 @@ import pickle
 import pickletools
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from frexporter import frtrace
 from frexporter.model import RANK_OK, PGState, RankState
@@ -176,9 +176,41 @@ def rank_states(dumps: list[RankDump], job_id: str = "dump") -> tuple[RankState,
             torch_version="", gpu_uuid="", status=RANK_OK, heartbeat=None, heartbeat_age=None, socket_alive=None,
             pgs=tuple(sorted(pgs, key=lambda p: p.name)), message=d.path,
         ))
-    return tuple(states)
+    return _settle_completion_lag(tuple(states))
+
+
+def _settle_completion_lag(states: tuple[RankState, ...]) -> tuple[RankState, ...]:
+    """A collective every other rank completed is complete on this rank too.
+
+    gloo wakes the caller before its worker thread marks the work completed and retired, so a dump taken
+    right after a blocking collective can show it still in flight on one rank while its peers show it done.
+    Left alone, that rank's frontier would be a collective that is over, hiding the real hang behind it.
+    """
+    done: dict[str, list[int]] = {}
+    for state in states:
+        for pg in state.pgs:
+            done.setdefault(pg.name, []).append(pg.last_completed)
+    out = []
+    for state in states:
+        pgs = []
+        for pg in state.pgs:
+            others = list(done[pg.name])
+            others.remove(pg.last_completed)
+            settled = min(min(others, default=pg.last_completed), pg.last_enqueued)
+            if settled > pg.last_completed:
+                inflight = tuple(e for e in pg.inflight if e.seq > settled)
+                pg = replace(pg, last_completed=settled, inflight=inflight,
+                             inflight_count=max(0, pg.last_enqueued - settled))
+            pgs.append(pg)
+        out.append(replace(state, pgs=tuple(pgs)))
+    return tuple(out)
 
 
 def dump_time(dumps: list[RankDump]) -> float:
-    """'Now' for a post-mortem: when the dumps were written (the newest file)."""
-    return max((d.mtime for d in dumps), default=0.0)
+    """'Now' for a post-mortem: when the dumps were written (the newest file, or newest entry if later).
+
+    File times come from a coarse kernel clock (a few ms behind), so a dump written right after its last
+    collective can carry an mtime older than that collective's creation; the entries bound it from below.
+    """
+    newest_entry = max((e.time_created_ns / 1e9 for d in dumps for e in d.dump.entries), default=0.0)
+    return max([d.mtime for d in dumps] + [newest_entry], default=0.0)
