@@ -802,9 +802,10 @@ def _where(e: BaseException) -> str:
     return f"{Path(f.filename).name}:{f.lineno}" if f else "?"
 
 
-def run_case(target: Target, data: bytes, check_budget: bool = True) -> tuple[str, float, float]:
+def run_case(target: Target, data: bytes, check_budget: bool = True, budget_factor: float = 1.0
+             ) -> tuple[str, float, float]:
     """One case: returns (outcome, cpu seconds, wall seconds) or raises Failure."""
-    cpu_budget_s = target.cpu_budget_s if check_budget else None
+    cpu_budget_s = target.cpu_budget_s * budget_factor if check_budget else None
     if len(sys.modules) != len(_KNOWN_MODULES):
         _KNOWN_MODULES.update(sys.modules)
     canaries = len(CANARY)

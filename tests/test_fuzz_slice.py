@@ -17,10 +17,8 @@ from benchmarks import fuzz
 
 CASES = 300
 # Crashes found in parsers this suite's author does not own; each entry goes when its owner fixes the parser.
-KNOWN_FAILURES = {
-    "webconfig.load": "yaml.safe_load raises plain ValueError (an int of more than 4300 digits) and "
-                      "RecursionError (deep nesting), which _load_yaml does not turn into WebConfigError",
-}
+KNOWN_FAILURES: dict[str, str] = {}
+CI_BUDGET_FACTOR = 4.0
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[n], strict=False))
@@ -33,7 +31,9 @@ def test_parser_survives_fuzzing(name: str) -> None:
               phases=[Phase.explicit, Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
     @given(target.strategy())
     def check(data: bytes) -> None:
-        fuzz.run_case(target, data)  # a Failure names the broken contract; hypothesis shrinks the input
+        # A Failure names the broken contract; hypothesis shrinks the input. The CPU budget is loosened here:
+        # CI shares two cores with other tests, and `python -m benchmarks.fuzz` holds the real budget.
+        fuzz.run_case(target, data, budget_factor=CI_BUDGET_FACTOR)
 
     check()
 

@@ -212,6 +212,7 @@ def spool_with_flooded_rank(directory: Path, mode: str) -> Iterator[list[int]]:
     assert flood.stdin is not None and flood.stdout is not None
     connects: list[int] = []
     try:
+        # One line on stdin, so its line breaks go; the answer is never finished within the timeout anyway.
         flood.stdin.write(_response(fr_dump(FIRST_SEQ)).replace(b"\n", b" ") + b"\n")
         flood.stdin.flush()
         assert flood.stdout.readline().strip() == b"ready"
