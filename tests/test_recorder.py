@@ -22,10 +22,14 @@ def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_install_is_idempotent_and_does_not_import_torch(tmp_path: Path) -> None:
     out = python(
-        "import sys, time\n"
+        "import sys, threading, time\n"
         "from frexporter.recorder import install\n"
         f"a = install({str(tmp_path)!r}); b = install(); c = install({str(tmp_path / 'other')!r})\n"
-        "time.sleep(0.3)\n"
+        # Let the recorder thread tick a few times (it would import torch then, if it ever did).
+        "ticks = threading.Semaphore(0)\n"
+        "real_tick = a.tick\n"
+        "a.tick = lambda: (real_tick(), ticks.release())\n"
+        "assert all(ticks.acquire(timeout=30) for _ in range(3))\n"
         "print(a is b is c, a.alive, 'torch' in sys.modules)\n",
         FREXPORTER_SNAPSHOT_INTERVAL="0.05",
     )
@@ -104,8 +108,11 @@ def test_disk_full_while_writing_snapshots_is_counted_and_training_continues(tmp
         "t = torch.ones(4)\n"
         "for _ in range(50): dist.all_reduce(t); time.sleep(0.01)\n"
         "spool.write_json_atomic = real\n"
-        "while pub._counter < 10 and time.time() < deadline: time.sleep(0.02)\n"
-        "time.sleep(0.2)\n"
+        "path = next(p for p in os.listdir(pub.directory) if p.endswith('.snapshot.json'))\n"
+        "def errors_on_disk():\n"
+        "    try: return json.load(open(os.path.join(pub.directory, path)))['errors'].get('enospc', 0)\n"
+        "    except (OSError, ValueError): return 0\n"
+        "while not errors_on_disk() and time.time() < deadline: time.sleep(0.02)\n"
         "print(json.dumps({'alive': pub.alive, 'errors': pub.errors, 'sum': t.sum().item()}))\n"
         "os._exit(0)\n"
     )
