@@ -47,6 +47,7 @@ def post(path: str, handler: str, timeout: float, query: str = "",
         ).encode()
         chunks: list[bytes] = []
         total = 0
+        expected: int | None = None  # whole response length, once the head has arrived
         try:
             sock.sendall(request)
             while True:
@@ -61,7 +62,11 @@ def post(path: str, handler: str, timeout: float, query: str = "",
                 total += len(chunk)
                 if total > max_bytes + 65536:
                     raise SourceError("oversized", f"{path}: response larger than {max_bytes} bytes")
-                if _complete(chunks):
+                if expected is None and len(chunks) < 64:
+                    # Only the first chunks can hold the head; joining them all on every recv of a 1 MB
+                    # FR dump would copy it over and over.
+                    expected = _expected_length(b"".join(chunks))
+                if expected is not None and total >= expected:
                     break
         except TimeoutError as e:
             raise SourceError("socket_timeout", f"{path}: no answer to {handler} within {timeout:.1f}s") from e
@@ -72,21 +77,29 @@ def post(path: str, handler: str, timeout: float, query: str = "",
     return _parse_response(b"".join(chunks), path, handler)
 
 
-def _complete(chunks: list[bytes]) -> bool:
-    # cpp-httplib may keep the connection open despite "Connection: close"; stop once
-    # Content-Length bytes of body have arrived instead of waiting for EOF.
-    data = b"".join(chunks) if len(chunks) > 1 else chunks[0]
+def _expected_length(data: bytes) -> int | None:
+    """Head + Content-Length, once the head is complete; None while unknown.
+
+    cpp-httplib may keep the connection open despite "Connection: close", so the reader stops once this many
+    bytes arrived instead of waiting for EOF.
+    """
     head_end = data.find(b"\r\n\r\n")
     if head_end < 0:
-        return False
+        return None
     for line in data[:head_end].split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":
             try:
-                return len(data) - head_end - 4 >= int(value.strip())
+                return head_end + 4 + int(value.strip())
             except ValueError:
-                return False
-    return False
+                return None
+    return None
+
+
+def _complete(chunks: list[bytes]) -> bool:
+    data = b"".join(chunks)
+    expected = _expected_length(data)
+    return expected is not None and len(data) >= expected
 
 
 def _parse_response(data: bytes, path: str, handler: str) -> bytes:
