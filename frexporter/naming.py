@@ -42,7 +42,9 @@ RANK_UP = PREFIX + "rank_up"
 RANK_HEARTBEAT_TIMESTAMP_SECONDS = PREFIX + "rank_heartbeat_timestamp_seconds"
 RANK_RECORDER_ERRORS_TOTAL = PREFIX + "rank_recorder_errors_total"
 
-# Process groups (per rank)
+# Process groups. The seqs, in-flight and progress series are per rank; a PG's static facts (info,
+# timeout) are the same on every rank, so they are exported once per node, without `rank`: per rank they
+# would cost 2 series per PG per rank for nothing (DESIGN.md §4: at most 40 series per rank).
 PG_INFO = PREFIX + "pg_info"
 PG_LAST_ENQUEUED_SEQ = PREFIX + "pg_last_enqueued_seq"
 PG_LAST_STARTED_SEQ = PREFIX + "pg_last_started_seq"
@@ -75,7 +77,8 @@ RANK_INFO_LABELS = (
     L_TORCH_VERSION,
     L_GPU_UUID,
 )
-PG_INFO_LABELS = (L_JOB_ID, L_RANK, L_PG, L_PG_DESC, L_SIZE, L_BACKEND)
+PG_STATIC_LABELS = (L_JOB_ID, L_PG, L_PG_DESC)  # per node: the timeout
+PG_INFO_LABELS = (*PG_STATIC_LABELS, L_SIZE, L_BACKEND)
 VERDICT_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_RANK, L_KIND, L_OP, L_SEQ)
 COLLECTIVE_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_OP)  # per node (the default)
 COLLECTIVE_RANK_LABELS = (L_JOB_ID, L_RANK, L_PG, L_PG_DESC, L_OP)  # per rank (opt-in)

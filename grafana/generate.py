@@ -224,9 +224,15 @@ def _or_zero(expr: str) -> str:
     return f"{expr} or vector(0)"
 
 
+def _timeout(*matchers: str) -> str:
+    """The PG's watchdog timeout, one series per PG: exported per node, without a rank; the shortest wins."""
+    return f"min {_by(*PG_KEY)} ({_sel(n.PG_TIMEOUT_SECONDS, *matchers)})"
+
+
 def _budget_left(*matchers: str) -> str:
+    """Per rank (the in-flight side's labels): timeout minus the age of its oldest in-flight collective."""
     age = _age(_sel(n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, *matchers))
-    return f"{_sel(n.PG_TIMEOUT_SECONDS, *matchers)} - ({age})"
+    return f"{_timeout(*matchers)} - on ({', '.join(PG_KEY)}) group_right () ({age})"
 
 
 def _pg_behind(group_matchers: Sequence[str], rank_matchers: Sequence[str], by: Sequence[str]) -> str:
@@ -981,7 +987,7 @@ def _pg_dashboard() -> _Board:
         _stat(unit="s"),
         "Watchdog timeout",
         "The group's watchdog timeout (NCCL default 10 min, gloo 30 min).",
-        [Target(f"max({_sel(n.PG_TIMEOUT_SECONDS, *PG)})", instant=True)],
+        [Target(f"min({_sel(n.PG_TIMEOUT_SECONDS, *PG)})", instant=True)],
         width=w,
     )
     b.panel(
@@ -1075,15 +1081,7 @@ def _pg_dashboard() -> _Board:
         "Since each rank last saw its completed sequence advance. Grows on every rank of an idle group too; "
         "read it together with the in-flight panels.",
         [Target(f"max {_by(n.L_RANK)} ({_age(_sel(n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS, *PG))})", legend=_RANK_LEGEND)],
-        width=12,
-        height=8,
-    )
-    b.panel(
-        _timeseries(unit="s"),
-        "Watchdog timeout per rank",
-        "Each rank's watchdog timeout for this group; they normally agree.",
-        [Target(f"max {_by(n.L_RANK)} ({_sel(n.PG_TIMEOUT_SECONDS, *PG)})", legend=_RANK_LEGEND)],
-        width=12,
+        width=24,
         height=8,
     )
 
@@ -1167,7 +1165,7 @@ def _rank_dashboard() -> _Board:
 
     b.row("Process groups of rank $rank")
     by_pg = (n.L_PG, n.L_PG_DESC)
-    pg_of_rank = f"and on ({', '.join(PG_KEY)}) {_sel(n.PG_INFO, *RANK)}"
+    pg_of_rank = f"and on ({', '.join(PG_KEY)}) {_sel(n.PG_LAST_ENQUEUED_SEQ, *RANK)}"
     b.panel(
         _table(
             merge=True,
@@ -1194,7 +1192,7 @@ def _rank_dashboard() -> _Board:
                 instant=True,
                 column="oldest in flight",
             ),
-            Target(f"max {_by(*by_pg)} ({_sel(n.PG_TIMEOUT_SECONDS, *RANK)})", instant=True, column="timeout"),
+            Target(f"max {_by(*by_pg)} ({_timeout(JOB)} {pg_of_rank})", instant=True, column="timeout"),
         ],
         width=24,
         height=7,

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -142,6 +143,10 @@ def _parse_rfc3339(text: str) -> float:
     return stamp + float("0." + (frac or "0"))
 
 
+class QueryError(Exception):
+    """Prometheus refused a query (bad PromQL, a matching error): a bug in the query, not a wait."""
+
+
 class PromStack:
     """Handles of a running Prometheus + Alertmanager + webhook receiver."""
 
@@ -230,7 +235,11 @@ class PromStack:
     def query(self, promql: str) -> list[dict[str, Any]]:
         """The result vector of an instant query."""
         url = f"{self.prom_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        body = _get_json(url)
+        try:
+            body = _get_json(url)
+        except urllib.error.HTTPError as e:
+            # Prometheus says why in the body. Not an AssertionError: wait_for must not retry a bad query.
+            raise QueryError(f"query {promql!r}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
         assert body["status"] == "success", body
         result: list[dict[str, Any]] = body["data"]["result"]
         return result

@@ -35,7 +35,7 @@ def test_identical_on_many_ranks(tmp_path: Path) -> None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(lambda: exporter.snapshot))
     ours, reference = both(registry)
-    assert ours == reference and ours.count(b"\n") > 300
+    assert ours == reference and ours.count(b"\n") > 16 * 4 * 3  # at least the seqs of every rank and PG
 
 
 class Odd:

@@ -48,8 +48,11 @@ def test_exact_sequences_per_rank_and_pg_with_local_sync_subgroup(job_factory, e
             assert sample(parsed, n.PG_LAST_ENQUEUED_SEQ, **labels) == enq
             assert sample(parsed, n.PG_LAST_COMPLETED_SEQ, **labels) == done
             assert sample(parsed, n.PG_INFLIGHT_COLLECTIVES, **labels) == inflight
-    assert sample(parsed, n.PG_INFO, rank="0", pg_desc="parity", size="2") == 1
-    assert sample(parsed, n.PG_INFO, rank="1", pg_desc="parity", size="1") == 1
+    # Static PG facts once per node, without a rank: two "parity" groups ({0,2} and {1}) by cross-rank name.
+    assert sample(parsed, n.PG_INFO, pg=names[0]["parity"], pg_desc="parity", size="2") == 1
+    assert sample(parsed, n.PG_INFO, pg=names[1]["parity"], pg_desc="parity", size="1") == 1
+    assert len(parsed[n.PG_INFO]) == len({(desc, pg) for pgs in names.values() for desc, pg in pgs.items()})
+    assert all(n.L_RANK not in labels for labels, _ in parsed[n.PG_INFO])
     assert sample(parsed, n.RANK_UP, job_id="job", rank="2") == 1
     assert sample(parsed, n.RANK_INFO, rank="1", world_size="3") == 1
     assert sample(parsed, n.SOURCE_UP, source="ranks") == 1
@@ -92,7 +95,8 @@ def test_rank_blocked_in_collective(job_factory, exporter_factory) -> None:
     labels = {"rank": "0", "pg_desc": "default_pg"}
     start = sample(parsed, n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, **labels)
     assert start is not None and abs(start - pg.oldest_inflight.created) < 1e-3
-    assert sample(parsed, n.PG_TIMEOUT_SECONDS, **labels) == 120
+    assert sample(parsed, n.PG_TIMEOUT_SECONDS, pg_desc="default_pg") == 120
+    assert all(n.L_RANK not in labels for labels, _ in parsed[n.PG_TIMEOUT_SECONDS])
     assert sample(parsed, n.PG_INFLIGHT_COLLECTIVES, **labels) == 1
     assert sample(parsed, n.PG_INFLIGHT_COLLECTIVES, rank="1", pg_desc="default_pg") == 0
     assert sample(parsed, n.PG_LAST_COMPLETED_SEQ, rank="1", pg_desc="default_pg") == 3

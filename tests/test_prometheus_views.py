@@ -231,6 +231,12 @@ def _pg(metric: str, value: float, rank: int, instance: str = "node0:9400", scra
                    instance=instance, **extra)
 
 
+def _pg_static(metric: str, value: float, instance: str = "node0:9400", scraped: float = NOW - 1,
+               **extra: str) -> dict[str, Any]:
+    """A PG fact the exporter reports once per node, without a rank."""
+    return _sample(metric, value, scraped, job_id="j", pg="0", pg_desc="default_pg", instance=instance, **extra)
+
+
 def _rank(metric: str, value: float, rank: int, instance: str = "node0:9400", scraped: float = NOW - 1,
           **extra: str) -> dict[str, Any]:
     return _sample(metric, value, scraped, job_id="j", rank=str(rank), instance=instance, **extra)
@@ -266,11 +272,11 @@ def _rank_series(rank: int, enq: int, done: int, world: int = 3, instance: str =
         _rank(n.RANK_UP, 1, rank, instance),
         _rank(n.RANK_HEARTBEAT_TIMESTAMP_SECONDS, heartbeat, rank, instance),
         _rank(n.RANK_INFO, 1, rank, instance, world_size=str(world), local_rank=str(rank)),
-        _pg(n.PG_INFO, 1, rank, instance, size=str(world), backend="nccl"),
+        _pg_static(n.PG_INFO, 1, instance, size=str(world), backend="nccl"),
         _pg(n.PG_LAST_ENQUEUED_SEQ, enq, rank, instance),
         _pg(n.PG_LAST_COMPLETED_SEQ, done, rank, instance),
         _pg(n.PG_INFLIGHT_COLLECTIVES, enq - done, rank, instance),
-        _pg(n.PG_TIMEOUT_SECONDS, 600, rank, instance),
+        _pg_static(n.PG_TIMEOUT_SECONDS, 600, instance),
     ]
     if oldest is not None:
         out.append(_pg(n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, oldest, rank, instance))

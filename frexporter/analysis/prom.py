@@ -92,7 +92,7 @@ RankKey = tuple[str, int]
 Source = tuple[tuple[str, str], ...]
 _PG_FIELDS = ((n.PG_LAST_ENQUEUED_SEQ, "enqueued"), (n.PG_LAST_COMPLETED_SEQ, "completed"),
               (n.PG_LAST_STARTED_SEQ, "started"), (n.PG_INFLIGHT_COLLECTIVES, "inflight"),
-              (n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, "oldest"), (n.PG_TIMEOUT_SECONDS, "timeout"),
+              (n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, "oldest"),
               (n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS, "progress"))
 
 
@@ -131,6 +131,7 @@ def rank_states(base_url: str, job_id: str | None, now: float,
     scraped = _by_source(query(base_url, f"timestamp({n.RANK_HEARTBEAT_TIMESTAMP_SECONDS}{sel})"))
     info = _by_source(query(base_url, n.RANK_INFO + sel))
     pg_info = query(base_url, n.PG_INFO + sel)
+    timeouts = _pg_timeouts(query(base_url, n.PG_TIMEOUT_SECONDS + sel))
     pg_samples = [(field, s) for metric, field in _PG_FIELDS for s in query(base_url, metric + sel)]
 
     sources: dict[RankKey, set[Source]] = defaultdict(set)
@@ -159,7 +160,7 @@ def rank_states(base_url: str, job_id: str | None, now: float,
             continue
         pg_series[(*key, labels[n.L_PG])][field] = _value(s)
         pg_series[(*key, labels[n.L_PG])]["desc"] = labels.get(n.L_PG_DESC, "")
-    members = _members(pg_series, pg_info, chosen, {key: pick(info, key) for key in chosen})
+    members = _members(pg_series, pg_info, {key: pick(info, key) for key in chosen})
 
     by_rank: dict[RankKey, list[PGState]] = defaultdict(list)
     for (job, rank, pg), v in sorted(pg_series.items()):
@@ -173,7 +174,7 @@ def rank_states(base_url: str, job_id: str | None, now: float,
             last_completed=done, inflight=(),
             # A reported 0 is an answer, not a gap to fill from the seqs.
             inflight_count=max(0, enq - done) if inflight is None else max(0, int(inflight)),
-            timeout_seconds=v.get("timeout"), last_progress=v.get("progress"), exact=True, has_p2p=False,
+            timeout_seconds=timeouts.get((job, pg)), last_progress=v.get("progress"), exact=True, has_p2p=False,
         )
         by_rank[(job, rank)].append(with_oldest_start(state, v.get("oldest")))
     keys = set(by_rank) | {key for key in chosen if pick(up, key) is not None}
@@ -203,8 +204,20 @@ def rank_states(base_url: str, job_id: str | None, now: float,
     return tuple(out)
 
 
+def _pg_timeouts(samples: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
+    """Each PG's watchdog timeout (exported per node, without a rank): the shortest any node reports."""
+    out: dict[tuple[str, str], float] = {}
+    for s in samples:
+        job, pg = s["metric"].get(n.L_JOB_ID), s["metric"].get(n.L_PG)
+        value = _value(s)
+        if job is None or pg is None or value is None or value <= 0:
+            continue
+        out[(job, pg)] = min(out.get((job, pg), value), value)
+    return out
+
+
 def _members(pg_series: dict[tuple[str, int, str], dict[str, Any]], pg_info: list[dict[str, Any]],
-             chosen: dict[RankKey, Source], rank_info: dict[RankKey, dict[str, Any] | None],
+             rank_info: dict[RankKey, dict[str, Any] | None],
              ) -> dict[tuple[str, str], tuple[int, ...]]:
     """Each PG's ranks: those with series, or every rank of the job when the PG spans the world.
 
@@ -215,11 +228,10 @@ def _members(pg_series: dict[tuple[str, int, str], dict[str, Any]], pg_info: lis
     for job, rank, pg in pg_series:
         seen[(job, pg)].add(rank)
     size: dict[tuple[str, str], int] = {}
-    for s in pg_info:
-        key = _rank_key(s["metric"])
-        pg = s["metric"].get(n.L_PG)
-        if key is not None and pg is not None and chosen.get(key) == _source(s["metric"]):
-            size[(key[0], pg)] = max(size.get((key[0], pg), 0), _int(s["metric"].get(n.L_SIZE)))
+    for s in pg_info:  # per node, without a rank: every node that reports the PG agrees on its size
+        job, pg = s["metric"].get(n.L_JOB_ID), s["metric"].get(n.L_PG)
+        if job is not None and pg is not None:
+            size[(job, pg)] = max(size.get((job, pg), 0), _int(s["metric"].get(n.L_SIZE)))
     world: dict[str, int] = defaultdict(int)
     for (job, _), sample in rank_info.items():
         if sample is not None:

@@ -19,6 +19,24 @@ def _pg_labels(rank: RankState, pg: PGState) -> list[str]:
     return [rank.job_id, str(rank.rank), pg.name, pg.desc]
 
 
+class _PGFacts:
+    """A PG's static facts across this node's ranks (they agree unless a rank is mid-restart)."""
+
+    __slots__ = ("backend", "size", "timeout")
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.backend = ""
+        self.timeout: float | None = None
+
+    def add(self, pg: PGState) -> None:
+        self.size = max(self.size, pg.size)
+        self.backend = self.backend or pg.backend
+        if pg.timeout_seconds is not None:
+            # The shortest is the one whose watchdog fires first.
+            self.timeout = pg.timeout_seconds if self.timeout is None else min(self.timeout, pg.timeout_seconds)
+
+
 class SnapshotCollector(Collector):
     def __init__(self, snapshot: Callable[[], NodeSnapshot]) -> None:
         self._snapshot = snapshot
@@ -84,7 +102,7 @@ class SnapshotCollector(Collector):
     @staticmethod
     def _pgs(snap: NodeSnapshot) -> Iterator[Metric]:
         labels = list(n.PG_LABELS)
-        info = GaugeMetricFamily(n.PG_INFO, "A process group a rank belongs to, by cross-rank name.",
+        info = GaugeMetricFamily(n.PG_INFO, "A process group of this node's ranks, by cross-rank name.",
                                  labels=list(n.PG_INFO_LABELS))
         enq = GaugeMetricFamily(n.PG_LAST_ENQUEUED_SEQ, "Last collective enqueued (collective domain).",
                                 labels=labels)
@@ -97,8 +115,8 @@ class SnapshotCollector(Collector):
                                      labels=labels)
         oldest = GaugeMetricFamily(n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS,
                                    "Unix time the oldest in-flight collective was enqueued.", labels=labels)
-        timeout = GaugeMetricFamily(n.PG_TIMEOUT_SECONDS, "Watchdog timeout of the process group.",
-                                    labels=labels)
+        timeout = GaugeMetricFamily(n.PG_TIMEOUT_SECONDS, "Watchdog timeout of the process group (the "
+                                    "shortest among this node's ranks).", labels=list(n.PG_STATIC_LABELS))
         progress = GaugeMetricFamily(n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS,
                                      "Unix time the completed sequence last advanced (first seen: the newest "
                                      "completed collective's creation time, a lower bound).", labels=labels)
@@ -106,10 +124,12 @@ class SnapshotCollector(Collector):
                                       "Seconds the rank enqueues this PG's collectives after its first local peer, "
                                       "mean over recent collectives (slowest tenth left out); only where the node "
                                       "has several ranks of the PG.", labels=labels)
+        static: dict[tuple[str, str, str], _PGFacts] = {}
         for r in snap.ranks:
             for pg in r.pgs:
                 key = _pg_labels(r, pg)
-                info.add_metric([*key, str(pg.size), pg.backend], 1)
+                facts = static.setdefault((r.job_id, pg.name, pg.desc), _PGFacts())
+                facts.add(pg)
                 enq.add_metric(key, pg.last_enqueued)
                 if pg.last_started >= 0:
                     started.add_metric(key, pg.last_started)
@@ -118,12 +138,14 @@ class SnapshotCollector(Collector):
                 first = pg.oldest_inflight
                 if first is not None and pg.inflight_count > 0:
                     oldest.add_metric(key, first.created)
-                if pg.timeout_seconds is not None:
-                    timeout.add_metric(key, pg.timeout_seconds)
                 if pg.last_progress is not None:
                     progress.add_metric(key, pg.last_progress)
                 if pg.lateness_seconds is not None:
                     straggler.add_metric(key, pg.lateness_seconds)
+        for (job_id, name, desc), facts in static.items():
+            info.add_metric([job_id, name, desc, str(facts.size), facts.backend], 1)
+            if facts.timeout is not None:
+                timeout.add_metric([job_id, name, desc], facts.timeout)
         yield from (info, enq, started, done, inflight, oldest, timeout, progress, straggler)
 
     @staticmethod
