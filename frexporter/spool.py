@@ -200,14 +200,33 @@ def _check_entries(directory: str, want_group: bool) -> list[PermissionProblem]:
 
 
 def write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
-    """Write-then-rename so a reader never sees a half-written file; mode 0600 (0640 in group mode)."""
+    """Write-then-rename so a reader never sees a half-written file; mode 0600 (0640 in group mode).
+
+    Every syscall here releases the GIL, and on a rank whose training thread wants the GIL back each
+    one costs a hand-off; so this makes as few as it can: open, write, close, rename (plus fchmod in
+    group mode, where a umask could strip the group bit). The temporary name is fixed per target and
+    process; O_EXCL and O_NOFOLLOW still refuse a file or link someone else planted there.
+    """
     data = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".tmp-{name}.{os.getpid()}")  # no spool suffix: the exporter skips it
+    mode = file_mode()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        os.fchmod(fd, file_mode())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        fd = os.open(tmp, flags, mode)
+    except FileExistsError:
+        # Left by a write this process did not finish (an exception between open and rename).
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, mode)
+    try:
+        try:
+            if mode != FILE_MODE:
+                os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

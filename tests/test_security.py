@@ -625,3 +625,18 @@ def test_stop_closes_kept_alive_tls_connections(pki: PKI, spool_dir: Path) -> No
             conn.getresponse().read()
     finally:
         conn.close()
+
+
+def test_atomic_write_never_follows_a_planted_link(tmp_path: Path) -> None:
+    """The temporary name is predictable; a link planted there must neither be written through nor survive."""
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    target = tmp_path / "r.snapshot.json"
+    tmp = tmp_path / f".tmp-{target.name}.{os.getpid()}"
+    tmp.symlink_to(victim)
+    spool.write_json_atomic(str(target), {"format": "x"})
+    assert victim.read_text() == "untouched"
+    assert json.loads(target.read_text()) == {"format": "x"}
+    assert stat.S_IMODE(target.stat().st_mode) == spool.FILE_MODE
+    assert not tmp.exists() and not tmp.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.snapshot.json", "victim"]

@@ -22,6 +22,10 @@ from frexporter.recorder import fr
 
 log = logging.getLogger("frexporter.recorder")
 
+# Snapshots between checks that this rank's manifest is still there (the directory may have been removed and
+# recreated by another rank, which our writes into the new directory would not notice).
+MANIFEST_CHECK_EVERY = 5
+
 
 class Publisher:
     def __init__(self, directory: str, job_id: str | None, interval: float) -> None:
@@ -95,7 +99,9 @@ class Publisher:
                 self._write_manifest()
             status = fr.read_pg_status(self._recorders)
             self._write_snapshot(status)
-            if not os.path.exists(self._path(spool.MANIFEST_SUFFIX)):
+            # Every few snapshots only: each syscall is a GIL hand-off (spool.write_json_atomic). A removed
+            # directory shows at once anyway, as ENOENT from the next write.
+            if self._counter % MANIFEST_CHECK_EVERY == 0 and not os.path.exists(self._path(spool.MANIFEST_SUFFIX)):
                 # Someone removed the spool directory (another rank may already have recreated it).
                 self._recreate_spool()
         except OSError as e:

@@ -1,0 +1,246 @@
+"""Recorder overhead, alternating windows inside one long job: FR alone vs FR + recorder.
+
+Run by hand: ``python -m benchmarks.recorder_windows [--groups 40] [--window 2] [--world 2]``.
+
+Separate process pairs (``benchmarks.recorder_overhead``) compare two jobs, and on a shared VM the
+run-to-run spread of a job (several percent: process placement, the VM's own speed) hides a 0.5 %
+budget. Here one gloo job runs small all_reduces back to back (the worst case: no compute to hide
+behind) and switches the recorder on and off in windows of a fixed number of steps, in ABBA order so
+that a linear drift cancels within each group:
+
+- A (FR alone): every rank's recorder thread is parked on an event: it neither wakes nor holds the
+  GIL, as if there were no recorder. Flight Recorder itself records in both arms.
+- B (FR + recorder): the thread snapshots on its normal schedule (one per ``--interval``), and this
+  process reads every rank's FR buffer over its worker-server socket at the exporter's deep-read
+  cadence (``--deep-every`` seconds of B time, the exporter's ``deep_interval`` default), as
+  ``frexporter serve`` does on a busy job; that read takes Flight Recorder's lock inside the rank.
+
+Ranks switch at the same step index (gloo couples them); rank 0 times each window and tells this
+process the current arm over a pipe. The result is the mean of the per-group B/A ratios with a 95 %
+confidence interval over groups, against the 0.5 % budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RANK = r"""
+import json, os, sys, threading, time
+rank, port, world, groups, window_s, calib_s = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
+                                                 int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+from frexporter.recorder import install
+pub = install()
+gate = threading.Event()
+gate.set()
+ticks = {"A": 0, "B": 0}
+arm = ["B"]
+original = pub.tick
+def gated_tick():
+    if not gate.is_set():
+        # Parked in A: no wake-ups, no GIL. On release, keep the normal schedule (next tick one
+        # interval later) rather than ticking at once, which would snapshot at every window start.
+        gate.wait()
+        return
+    ticks[arm[0]] += 1
+    original()
+pub.tick = gated_tick
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+t = torch.ones(256)
+deadline = time.time() + 30
+while pub._counter < 2 and time.time() < deadline:  # steady state: manifest written, server up
+    time.sleep(0.01)
+for _ in range(500):
+    dist.all_reduce(t)
+# Calibrate the window length in steps on rank 0, then agree on it (all ranks must switch together).
+start, n = time.perf_counter(), 0
+while time.perf_counter() - start < calib_s:
+    for _ in range(100):
+        dist.all_reduce(t)
+    n += 100
+steps = torch.tensor([int(n / (time.perf_counter() - start) * window_s) if rank == 0 else 0])
+dist.broadcast(steps, 0)
+steps = max(100, int(steps.item()))
+def say(msg):
+    if rank == 0:
+        sys.stdout.write(msg + "\n")
+        sys.stdout.flush()
+say(json.dumps({"steps_per_window": steps}))
+times = {"A": [], "B": []}
+main_cpu = {"A": [], "B": []}
+proc_cpu = {"A": [], "B": []}
+for g in range(groups):
+    for a in ("A", "B", "B", "A") if g % 2 == 0 else ("B", "A", "A", "B"):
+        dist.barrier()
+        arm[0] = a
+        if a == "A":
+            gate.clear()
+        else:
+            gate.set()
+        say("arm " + a)
+        w, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
+        for _ in range(steps):
+            dist.all_reduce(t)
+        times[a].append((time.perf_counter() - w) / steps * 1e6)
+        main_cpu[a].append((time.thread_time() - c) / steps * 1e6)
+        proc_cpu[a].append((time.process_time() - pc) / steps * 1e6)
+gate.set()
+dist.barrier()
+say("done " + json.dumps({"times": times, "main_cpu": main_cpu, "proc_cpu": proc_cpu, "ticks": ticks,
+                          "steps_per_window": steps}))
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def deep_read_all(spool: Path, timeout: float) -> float:
+    """What the exporter does on a deep read of every rank: fetch each FR buffer over its socket."""
+    from frexporter.sources import worker_client
+    from frexporter.sources.ranks import DEEP_HANDLERS
+    from frexporter.spool import RECORDER_FR
+
+    handler, query = DEEP_HANDLERS[RECORDER_FR]
+    begin = time.perf_counter()
+    for sock in sorted(glob.glob(str(spool / "*.sock"))):
+        worker_client.post_json(sock, handler, timeout, query)
+    return time.perf_counter() - begin
+
+
+def t_quantile_975(df: int) -> float:
+    # Two-sided 95 % Student t; close enough beyond the table.
+    table = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+             15: 2.13, 20: 2.09, 30: 2.04, 40: 2.02, 60: 2.00}
+    for k in sorted(table):
+        if df <= k:
+            return table[k]
+    return 1.96
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=40, help="ABBA groups (4 windows each)")
+    parser.add_argument("--window", type=float, default=2.0, help="seconds per window (calibrated into steps)")
+    parser.add_argument("--world", type=int, default=2, help="ranks (2 fills this 2-core VM)")
+    parser.add_argument("--interval", type=float, default=1.0, help="recorder snapshot interval")
+    parser.add_argument("--deep-every", type=float, default=15.0,
+                        help="seconds of B time between deep reads of every rank (0: none)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="frexporter-windows-"))
+    spool = workdir / "spool"
+    env = {**os.environ, "FREXPORTER_DIR": str(spool), "FREXPORTER_SNAPSHOT_INTERVAL": str(args.interval),
+           "FREXPORTER_JOB_ID": "windows", "PYTHONPATH": str(Path(__file__).parent.parent),
+           "OMP_NUM_THREADS": "1"}
+    port = str(free_port())
+    argv = [str(args.world), str(args.groups), str(args.window), "3"]
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), port, *argv], env=env,
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True)
+             for r in range(args.world)]
+    leader = procs[0]
+    assert leader.stdout is not None
+    arm, b_time, b_since, deep_reads, result = "B", 0.0, time.monotonic(), [], None
+    total = 4 * args.groups
+    seen = 0
+    try:
+        while result is None:
+            ready, _, _ = select.select([leader.stdout], [], [], 0.05)
+            now = time.monotonic()
+            if arm == "B":
+                b_time, b_since = b_time + (now - b_since), now
+                if args.deep_every > 0 and b_time >= args.deep_every * (len(deep_reads) + 1):
+                    deep_reads.append(deep_read_all(spool, 5.0))
+            if not ready:
+                if leader.poll() is not None:
+                    raise SystemExit(f"rank 0 exited with {leader.returncode} before finishing")
+                continue
+            line = leader.stdout.readline()
+            if not line:
+                continue
+            if line.startswith("arm "):
+                arm, b_since, seen = line.split()[1], time.monotonic(), seen + 1
+                if seen % 20 == 0:
+                    print(f"window {seen}/{total}", file=sys.stderr, flush=True)
+            elif line.startswith("done "):
+                result = json.loads(line[5:])
+            else:
+                print(f"calibrated: {line.strip()}", file=sys.stderr, flush=True)
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    measures = {name: compare(result[key]["A"], result[key]["B"], args.groups) for name, key in MEASURES}
+    b_seconds = sum(result["times"]["B"]) * result["steps_per_window"] / 1e6
+    report = {
+        "world": args.world,
+        "groups": args.groups,
+        "steps_per_window": result["steps_per_window"],
+        **measures,
+        "snapshots_rank0": result["ticks"],
+        "snapshots_per_b_second": result["ticks"]["B"] / b_seconds if b_seconds else 0.0,
+        "deep_reads": len(deep_reads),
+        "deep_read_ms_median": statistics.median(deep_reads) * 1e3 if deep_reads else None,
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(f"{args.groups} ABBA groups of {result['steps_per_window']} all_reduces per window, world {args.world}")
+    print(f"{'per all_reduce, rank 0':34} {'A: FR alone':>12} {'B: +recorder':>12} {'B/A mean':>9} "
+          f"{'95% CI':>17} {'spread A':>9}")
+    for name, m in measures.items():
+        lo, hi = m["ratio_ci95"]
+        print(f"{name:34} {m['a_median_us']:10.2f}us {m['b_median_us']:10.2f}us {m['ratio_mean']:9.4f} "
+              f"[{lo:.4f}, {hi:.4f}] {m['window_spread_a_pct']:8.1f}%")
+    print(f"snapshots: rank 0 took {result['ticks']['B']} in B windows "
+          f"({report['snapshots_per_b_second']:.2f} per second of B), {result['ticks']['A']} in A")
+    if deep_reads:
+        print(f"deep reads: {len(deep_reads)} of all {args.world} ranks, median "
+              f"{report['deep_read_ms_median']:.1f} ms each (client side, incl. JSON parsing)")
+    hi = measures["wall time"]["ratio_ci95"][1]
+    verdict = "within" if hi < 1.005 else "NOT shown within"
+    print(f"wall-time overhead: {(measures['wall time']['ratio_mean'] - 1) * 100:+.3f}% "
+          f"({verdict} the 0.5% budget at 95% confidence)")
+
+
+MEASURES = (("wall time", "times"), ("main-thread CPU", "main_cpu"), ("process CPU (all threads)", "proc_cpu"))
+
+
+def compare(a: list[float], b: list[float], groups: int) -> dict[str, object]:
+    # Group g holds windows 2g, 2g+1 of each arm (ABBA or BAAB): its ratio cancels a linear drift.
+    ratios = [(b[2 * g] + b[2 * g + 1]) / (a[2 * g] + a[2 * g + 1]) for g in range(groups)]
+    mean = statistics.fmean(ratios)
+    sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
+    half = t_quantile_975(len(ratios) - 1) * sd / math.sqrt(len(ratios))
+    return {
+        "a_median_us": statistics.median(a),
+        "b_median_us": statistics.median(b),
+        "ratio_mean": mean,
+        "ratio_ci95": [mean - half, mean + half],
+        "ratio_median": statistics.median(ratios),
+        "window_spread_a_pct": (max(a) - min(a)) / statistics.median(a) * 100,
+    }
+
+if __name__ == "__main__":
+    main()
