@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._recorder_common import free_port
+
 RANK = r"""
 import json, os, sys, threading, time
 port, seconds, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
@@ -101,34 +103,14 @@ while time.perf_counter() < end:
     a = stamp()
     dist.all_reduce(t)
     steps.append((a, stamp() - a))
-# The snapshot's GIL-holding parts alone (thread CPU, no syscalls inside), as benchmarks.recorder_overhead.
-from frexporter import spool
-from frexporter.recorder import fr
-def cpu_us(fn, n=500):
-    samples = []
-    for _ in range(n):
-        c = time.thread_time()
-        fn()
-        samples.append((time.thread_time() - c) * 1e6)
-    return sorted(samples)[n // 2]
-status = fr.read_pg_status(fr.available_recorders())
-payload = {"format": spool.SNAPSHOT_FORMAT, "status": status, "pid": 1, "time": 1.0, "errors": {}}
-gil = {"read_pg_status_us": cpu_us(lambda: fr.read_pg_status(fr.available_recorders())),
-       "encode_us": cpu_us(lambda: json.dumps(payload, separators=(",", ":"), sort_keys=True))}
+from benchmarks._recorder_common import snapshot_gil_parts
+gil = snapshot_gil_parts()
 with open(out, "w") as f:
     json.dump({"steps": steps, "tick_cpu": tick_cpu[2:], "gil": gil, "gil_taken": taken,
                "gil_control": control}, f)
 sys.stdout.write("done\n"); sys.stdout.flush()
 dist.destroy_process_group()
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

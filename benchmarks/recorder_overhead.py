@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks._recorder_common import free_port
+
 RANK = r"""
 import json, os, sys, time
 mode, rank, port, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
@@ -54,23 +56,9 @@ for _ in range(steps):
 elapsed, cpu_used = time.perf_counter() - start, cpu() - cpu0
 parts = {}
 if rank == 0 and mode == "B":
-    # The snapshot's GIL-holding parts, timed on their own with thread CPU time (no syscalls inside):
-    # reading pg_status from torch and encoding the JSON. Writing and renaming the file are syscalls,
-    # which release the GIL.
-    from frexporter import spool
-    from frexporter.recorder import fr
-    def cpu_us(fn, n=500):
-        samples = []
-        for _ in range(n):
-            c = time.thread_time()
-            fn()
-            samples.append((time.thread_time() - c) * 1e6)
-        return sorted(samples)[n // 2]
-    status = fr.read_pg_status(fr.available_recorders())
-    payload = {"format": spool.SNAPSHOT_FORMAT, "status": status, "pid": 1, "time": 1.0, "errors": {}}
-    parts = {"read_pg_status_us": cpu_us(lambda: fr.read_pg_status(fr.available_recorders())),
-             "encode_us": cpu_us(lambda: json.dumps(payload, separators=(",", ":"), sort_keys=True)),
-             "write_file_us": cpu_us(lambda: spool.write_json_atomic(out + ".probe", payload), 200)}
+    # The snapshot's GIL-holding parts, timed on their own with thread CPU time.
+    from benchmarks._recorder_common import snapshot_gil_parts
+    parts = snapshot_gil_parts(out + ".probe")
 if rank == 0:
     with open(out, "w") as f:
         json.dump({"step_us": elapsed / steps * 1e6, "cpu_us": cpu_used / steps * 1e6, "ticks": ticks[2:],
@@ -78,14 +66,6 @@ if rank == 0:
 dist.barrier()
 dist.destroy_process_group()
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(mode: str, steps: int, workdir: Path, interval: float, world: int = 2) -> dict:
@@ -143,7 +123,8 @@ def main() -> None:
         write = statistics.median(p["write_file_us"] for p in parts)
         print(f"GIL held per snapshot: {read + enc:.1f} us (read pg_status {read:.1f} + JSON encode {enc:.1f}); "
               f"budget < 200 us")
-        print(f"file write + rename:   {write:.1f} us of thread CPU in syscalls, GIL released")
+        print(f"file write + rename:   {write:.1f} us of thread CPU (its syscalls release the GIL, the Python "
+              "around them does not; benchmarks.recorder_costs probes the GIL a whole snapshot takes)")
 
 
 if __name__ == "__main__":

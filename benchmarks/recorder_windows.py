@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._recorder_common import free_port
+
 RANK = r"""
 import json, os, sys, threading, time
 rank, port, world, groups, window_s, calib_s = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
@@ -102,14 +104,6 @@ say("done " + json.dumps({"times": times, "main_cpu": main_cpu, "proc_cpu": proc
                           "steps_per_window": steps}))
 dist.destroy_process_group()
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def deep_read_all(spool: Path, timeout: float) -> float:
@@ -231,8 +225,9 @@ def compare(a: list[float], b: list[float], groups: int) -> dict[str, object]:
     # Group g holds windows 2g, 2g+1 of each arm (ABBA or BAAB): its ratio cancels a linear drift.
     ratios = [(b[2 * g] + b[2 * g + 1]) / (a[2 * g] + a[2 * g + 1]) for g in range(groups)]
     mean = statistics.fmean(ratios)
-    sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
-    half = t_quantile_975(len(ratios) - 1) * sd / math.sqrt(len(ratios))
+    # One group has no spread to speak of: an infinite interval, never "within".
+    sd = statistics.stdev(ratios) if len(ratios) > 1 else math.inf
+    half = t_quantile_975(max(1, len(ratios) - 1)) * sd / math.sqrt(len(ratios))
     return {
         "a_median_us": statistics.median(a),
         "b_median_us": statistics.median(b),
