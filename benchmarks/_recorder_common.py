@@ -6,8 +6,8 @@ their PYTHONPATH).
 
 from __future__ import annotations
 
-import json
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -27,17 +27,21 @@ def _thread_cpu_us(fn: Callable[[], object], n: int = 500) -> float:
     return sorted(samples)[n // 2]
 
 
-def snapshot_gil_parts(probe_path: str | None = None) -> dict[str, float]:
-    """Median thread CPU of a snapshot's Python parts, which hold the GIL throughout: reading ``pg_status``
-    from torch and encoding the JSON; with ``probe_path``, also the whole file write (its syscalls release
-    the GIL, its Python around them does not)."""
+def snapshot_gil_parts() -> dict[str, float]:
+    """Median thread CPU of a snapshot's parts, which hold the GIL throughout (no syscall inside): reading
+    torch's status JSON, and building and storing the snapshot in its mapped file (a memory copy)."""
     from frexporter import spool
     from frexporter.recorder import fr
+    from frexporter.recorder.publisher import Publisher
 
-    status = fr.read_pg_status(fr.available_recorders())
-    payload = {"format": spool.SNAPSHOT_FORMAT, "status": status, "pid": 1, "time": 1.0, "errors": {}}
-    parts = {"read_pg_status_us": _thread_cpu_us(lambda: fr.read_pg_status(fr.available_recorders())),
-             "encode_us": _thread_cpu_us(lambda: json.dumps(payload, separators=(",", ":"), sort_keys=True))}
-    if probe_path is not None:
-        parts["write_file_us"] = _thread_cpu_us(lambda: spool.write_json_atomic(probe_path, payload), 200)
+    with tempfile.TemporaryDirectory() as directory:
+        pub = Publisher(directory, "probe", 1.0)
+        pub._stem = "probe.r0"
+        recorders = fr.available_recorders()
+        status = fr.read_raw_status(recorders)
+        pub._write_snapshot(status)  # creates the mapped file (syscalls, once)
+        parts = {"read_status_us": _thread_cpu_us(lambda: fr.read_raw_status(recorders)),
+                 "write_snapshot_us": _thread_cpu_us(lambda: pub._write_snapshot(status))}
+        assert spool.read_snapshot_map(pub._path(spool.SNAPSHOT_MAP_SUFFIX))["counter"] == pub._counter
+        pub._map.close()
     return parts

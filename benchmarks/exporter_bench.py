@@ -37,7 +37,7 @@ counter = 1
 while time.time() < end:
     counter += 1
     for r in range(ranks):
-        spoolgen.refresh(directory, "bench", r, counter, pgs=pgs, seq=counter)
+        spoolgen.refresh(directory, "bench", r, counter, pgs=pgs, seq=counter, mapped=True)
     time.sleep(1.0)
 """
 
@@ -52,7 +52,7 @@ def rss_bytes() -> int:
 def measure(ranks: int, pgs: int, gpus: int, seconds: float, fresh_scrapes: int = 30) -> dict[str, float]:
     directory = Path(tempfile.mkdtemp(prefix="frexporter-bench-"))
     for r in range(ranks):
-        spoolgen.write_rank(directory, "bench", r, pgs=pgs, world=max(ranks, 1))
+        spoolgen.write_rank(directory, "bench", r, pgs=pgs, world=max(ranks, 1), mapped=True)
     args = [str(directory), str(ranks), str(pgs), str(seconds * 2 + 5)]
     writer = subprocess.Popen([sys.executable, "-c", WRITER, *args],
                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})

@@ -161,6 +161,31 @@ def snapshot_doc() -> dict[str, Any]:
     return doc
 
 
+def snapshot_map_doc() -> dict[str, Any]:
+    """The mapped snapshot's JSON: torch's whole status answer per recorder."""
+    doc = snapshot_doc()
+    doc["format"] = spool.SNAPSHOT_MAP_FORMAT
+    doc["status"] = {recorder: {"version": "2.10", "pg_config": {}, "pg_status": status}
+                     for recorder, status in doc["status"].items()}
+    return doc
+
+
+def snapshot_map_seeds() -> list[bytes]:
+    """Mapped snapshot files as the recorder writes them: fresh, grown, and mid-update (odd sequence)."""
+    directory = scratch("map-seeds-")
+    path = os.path.join(directory, "seed" + spool.SNAPSHOT_MAP_SUFFIX)
+    writer = spool.SnapshotMap(path)
+    seeds = []
+    for doc in (snapshot_map_doc(), {**snapshot_map_doc(), "message": "x" * 70_000}):
+        writer.write(_json(doc))
+        with open(path, "rb") as f:
+            seeds.append(f.read())
+    writer.close()
+    torn = bytearray(seeds[0])
+    torn[8] += 1  # an odd sequence: the writer is inside an update
+    return [seeds[0][:4096], seeds[1][:65536], bytes(torn[:4096])]
+
+
 def prom_doc() -> dict[str, Any]:
     def sample(metric: str, rank: int, pg: str, value: str) -> dict[str, Any]:
         return {"metric": {"__name__": metric, "job_id": "j", "rank": str(rank), "pg": pg, "pg_desc": "default_pg",
@@ -373,6 +398,16 @@ def run_read_json_file(data: bytes) -> None:
     for parse, check in ((spool.parse_manifest, _check_manifest), (spool.parse_snapshot, _check_snapshot)):
         with contextlib.suppress(SpoolError):
             check(parse(obj))  # type: ignore[operator]
+
+
+def run_read_snapshot_map(data: bytes) -> None:
+    """The file's content is ``data``; read as the exporter reads a mapped snapshot, then parsed."""
+    global _files
+    if _files is None:
+        _files = _FileBench()
+    with open(_files.regular, "wb") as f:
+        f.write(data)
+    _check_snapshot(spool.parse_snapshot(spool.read_snapshot_map(_files.regular)))
 
 
 def run_parse_dump(data: bytes) -> None:
@@ -640,7 +675,10 @@ def _build_strategies() -> Any:
         return st.one_of(mutated_bytes(seeds), mutated_bytes(seeds), st.text(max_size=200).map(str.encode),
                          st.binary(max_size=200), deep_yaml)
 
-    return types.SimpleNamespace(json_doc=json_doc, spool_file=spool_file, chunked=chunked,
+    def binary_file(seeds: Sequence[bytes]) -> SearchStrategy[bytes]:
+        return st.one_of(mutated_bytes(seeds), mutated_bytes(seeds), st.binary(max_size=200))
+
+    return types.SimpleNamespace(json_doc=json_doc, spool_file=spool_file, chunked=chunked, binary_file=binary_file,
                                  http_response=http_response, pickles=pickles, dump_file=dump_file,
                                  prom_answer=prom_answer, yaml_text=yaml_text)
 
@@ -654,6 +692,10 @@ def _targets() -> dict[str, Target]:
         Target("spool.read_json_file", run_read_json_file, (SpoolError,),
                lambda: [b"\x00\x00" + _json(snapshot_doc()), b"\x00\x01" + _json(manifest_doc())],
                lambda: _strategies().spool_file(manifest_doc(), snapshot_doc()), max_len=1 << 20),
+        Target("spool.parse_snapshot (mapped)", run_parse_snapshot, (SpoolError, Skip),
+               lambda: [_json(snapshot_map_doc())], lambda: _strategies().json_doc(snapshot_map_doc())),
+        Target("spool.read_snapshot_map", run_read_snapshot_map, (SpoolError,), snapshot_map_seeds,
+               lambda: _strategies().binary_file(snapshot_map_seeds()), max_len=1 << 17),
         Target("frtrace.parse_dump", run_parse_dump, (SpoolError, Skip),
                lambda: [_json(json_dump_doc())], lambda: _strategies().json_doc(json_dump_doc()), max_len=65536),
         Target("worker_client._parse_response", run_parse_response, (SourceError,),

@@ -9,7 +9,8 @@ gloo rank (world 1, small all_reduces back to back, FR on, recorder installed):
 
 1. The GIL its snapshot thread takes: the main thread spins in Python (it wants the GIL all the time)
    and records every gap between its iterations; the gaps inside a snapshot are the GIL the recorder's
-   thread held, hand-offs included. The Python parts alone (reading ``pg_status``, the JSON) are timed too.
+   thread held, hand-offs included. The parts alone (reading torch's status, updating the mapped file) are
+   timed too.
 2. The CPU its snapshot thread uses (GIL or not): it matters only on a node whose cores are all busy.
 3. A deep read by the exporter (its ``fr_trace_json`` request, answered by torch's C++ worker server
    without the GIL, every ``deep_interval`` = 15 s on a busy job): the rank's CPU to answer it, and the
@@ -218,7 +219,7 @@ def analyse(result: dict, reads: list[tuple[int, int]], rank_cpu: list[float], c
     during, control = excess(reads[:len(controls)]), excess(controls)
     stall = statistics.fmean(during) - statistics.fmean(control)
     longest_during, longest_control = longest(reads[:len(controls)]), longest(controls)
-    gil_parts = result["gil"]["read_pg_status_us"] + result["gil"]["encode_us"]
+    gil_parts = result["gil"]["read_status_us"] + result["gil"]["write_snapshot_us"]
     taken = sorted(t * 1e6 for t in result["gil_taken"])
     gil_control = statistics.median(t * 1e6 for t in result["gil_control"])
     gil = max(0.0, statistics.median(taken) - gil_control)
@@ -263,7 +264,7 @@ def print_report(r: dict[str, float], args: argparse.Namespace) -> None:
           f"median {r['snapshot_gil_raw_us']:.1f} us of gaps during a snapshot (p90 "
           f"{r['snapshot_gil_p90_us']:.1f}) less {r['snapshot_gil_control_us']:.1f} us in the same length without "
           f"one, over {r['snapshot_gil_probed']} snapshots;")
-    print(f"   of which reading pg_status + JSON encoding alone: {r['snapshot_gil_python_parts_us']:.1f} us")
+    print(f"   the snapshot's parts alone (thread CPU, no other thread): {r['snapshot_gil_python_parts_us']:.1f} us")
     print(f"2. snapshot thread CPU:          {r['snapshot_thread_cpu_us']:8.1f} us per snapshot "
           f"(median of {r['snapshots_timed']}; syscalls included)")
     print(f"3. deep read of {r['fr_entries_per_deep_read']} FR entries: rank CPU {r['deep_read_rank_cpu_ms']:.2f} ms, "

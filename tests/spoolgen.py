@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -39,18 +40,43 @@ def snapshot(pid: int, pgs: int = 1, seq: int = 10, counter: int = 1, when: floa
     return out
 
 
-def write_rank(directory: Path, job_id: str, rank: int, pgs: int = 1, seq: int = 10, **kw: Any) -> str:
+def as_mapped(doc: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot/1 document as the recorder writes it today (snapshot/2: torch's whole answer per recorder)."""
+    return {**doc, "format": spool.SNAPSHOT_MAP_FORMAT,
+            "status": {r: {"version": "2.10", "pg_config": {}, "pg_status": st} for r, st in doc["status"].items()}}
+
+
+# One writer per mapped file, kept open as a recorder keeps it: refreshes update the file in place.
+_MAPS: dict[str, spool.SnapshotMap] = {}
+
+
+def write_snapshot(directory: Path, stem: str, doc: dict[str, Any], mapped: bool = False) -> None:
+    """``doc`` (a snapshot/1 document) as a JSON file (older recorders) or a mapped file (current ones)."""
+    if not mapped:
+        spool.write_json_atomic(str(directory / (stem + spool.SNAPSHOT_SUFFIX)), doc)
+        return
+    path = str(directory / (stem + spool.SNAPSHOT_MAP_SUFFIX))
+    writer = _MAPS.get(path)
+    if writer is None or writer.gone():
+        if writer is not None:
+            writer.close()
+        writer = _MAPS[path] = spool.SnapshotMap(path)
+    writer.write(json.dumps(as_mapped(doc)).encode())
+
+
+def write_rank(directory: Path, job_id: str, rank: int, pgs: int = 1, seq: int = 10, mapped: bool = False,
+               **kw: Any) -> str:
     """A healthy rank (manifest + fresh snapshot, no socket); returns its stem."""
     os.makedirs(directory, exist_ok=True)
     stem = spool.rank_stem(job_id, rank)
     m = manifest(job_id, rank, pgs=pgs, **kw)
     spool.write_json_atomic(str(directory / (stem + spool.MANIFEST_SUFFIX)), m)
-    spool.write_json_atomic(str(directory / (stem + spool.SNAPSHOT_SUFFIX)), snapshot(m["pid"], pgs=pgs, seq=seq))
+    write_snapshot(directory, stem, snapshot(m["pid"], pgs=pgs, seq=seq), mapped)
     return stem
 
 
 def refresh(directory: Path, job_id: str, rank: int, counter: int, pgs: int = 1, seq: int = 10,
-            pid: int | None = None) -> None:
+            pid: int | None = None, mapped: bool = False) -> None:
     stem = spool.rank_stem(job_id, rank)
-    spool.write_json_atomic(str(directory / (stem + spool.SNAPSHOT_SUFFIX)),
-                            snapshot(pid if pid is not None else 100000 + rank, pgs=pgs, seq=seq, counter=counter))
+    write_snapshot(directory, stem,
+                   snapshot(pid if pid is not None else 100000 + rank, pgs=pgs, seq=seq, counter=counter), mapped)

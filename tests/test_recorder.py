@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from frexporter import spool
 from tests.harness import REPO
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -76,7 +77,7 @@ def test_recorder_thread_death_is_reported_not_silent(tmp_path: Path) -> None:
         "deadline = time.time() + 30\n"
         "while pub._stem == '' and time.time() < deadline: time.sleep(0.02)\n"
         "def boom(*a): raise SystemExit('simulated bug')\n"
-        "fr.read_pg_status = boom\n"
+        "fr.read_raw_status = boom\n"
         "while pub.alive and time.time() < deadline: time.sleep(0.02)\n"
         "print(pub.alive)\n"
         "os._exit(0)\n"
@@ -85,13 +86,15 @@ def test_recorder_thread_death_is_reported_not_silent(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
     assert "recorder thread died" in out.stderr
-    snap = json.loads(next(tmp_path.glob("*.snapshot.json")).read_text())
+    snap = spool.read_snapshot_map(str(next(tmp_path.glob("*" + spool.SNAPSHOT_MAP_SUFFIX))))
     assert snap["state"] == "stopped" and "simulated bug" in snap["message"]
 
 
 @pytest.mark.e2e
 def test_disk_full_while_writing_snapshots_is_counted_and_training_continues(tmp_path: Path) -> None:
     # A spool on a 64 KiB tmpfs would need mount rights; /dev/full gives ENOSPC on every write instead.
+    # Updates of the mapped snapshot cannot run out of space (its blocks exist from the start): the disk can
+    # be full when the file is (re)created, which happens here on every snapshot until there is room again.
     code = (
         "import os, time, json, errno\n"
         "from frexporter import spool\n"
@@ -101,17 +104,18 @@ def test_disk_full_while_writing_snapshots_is_counted_and_training_continues(tmp
         "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
         "deadline = time.time() + 30\n"
         "while pub._counter < 3 and time.time() < deadline: time.sleep(0.02)\n"
-        "real = spool.write_json_atomic\n"
-        "def full(path, payload):\n"
+        "real = spool.SnapshotMap._create\n"
+        "def full(self, size, payload):\n"
         "    with open('/dev/full', 'wb') as f: f.write(b'x' * 10); f.flush()\n"
-        "spool.write_json_atomic = full\n"
+        "spool.SnapshotMap._create = full\n"
+        "pub._map.close()  # as after the spool directory was removed: the next snapshot creates its file\n"
         "t = torch.ones(4)\n"
         "for _ in range(50): dist.all_reduce(t); time.sleep(0.01)\n"
-        "spool.write_json_atomic = real\n"
-        "path = next(p for p in os.listdir(pub.directory) if p.endswith('.snapshot.json'))\n"
+        "spool.SnapshotMap._create = real\n"
+        "path = next(p for p in os.listdir(pub.directory) if p.endswith(spool.SNAPSHOT_MAP_SUFFIX))\n"
         "def errors_on_disk():\n"
-        "    try: return json.load(open(os.path.join(pub.directory, path)))['errors'].get('enospc', 0)\n"
-        "    except (OSError, ValueError): return 0\n"
+        "    try: return spool.read_snapshot_map(os.path.join(pub.directory, path))['errors'].get('enospc', 0)\n"
+        "    except spool.SpoolError: return 0\n"
         "while not errors_on_disk() and time.time() < deadline: time.sleep(0.02)\n"
         "print(json.dumps({'alive': pub.alive, 'errors': pub.errors, 'sum': t.sum().item()}))\n"
         "os._exit(0)\n"
@@ -122,7 +126,7 @@ def test_disk_full_while_writing_snapshots_is_counted_and_training_continues(tmp
     assert result["alive"] and result["sum"] == 4.0
     assert result["errors"].get("enospc", 0) >= 1
     assert out.stderr.count("enospc") == 1  # logged once, counted every time
-    snap = json.loads(next(tmp_path.glob("*.snapshot.json")).read_text())
+    snap = spool.read_snapshot_map(str(next(tmp_path.glob("*" + spool.SNAPSHOT_MAP_SUFFIX))))
     assert snap["errors"]["enospc"] >= 1  # the exporter gets to see it once the disk has room again
 
 

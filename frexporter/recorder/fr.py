@@ -53,6 +53,20 @@ def available_recorders() -> tuple[str, ...]:
     return tuple(found)
 
 
+def read_raw_status(recorders: tuple[str, ...]) -> dict[str, bytes]:
+    """torch's JSON answer per recorder, without collectives, unparsed: the snapshot embeds it as it is
+    (parsing and re-encoding it would hold the GIL longer; the exporter parses and checks it)."""
+    ext = _c10d()
+    out: dict[str, bytes] = {}
+    for recorder in recorders:
+        if recorder == spool.RECORDER_FR:
+            raw = ext._dump_fr_trace_json(includeCollectives=False)
+        else:
+            raw = ext._dump_nccl_trace_json(includeCollectives=False)
+        out[recorder] = raw.encode() if isinstance(raw, str) else bytes(raw)
+    return out
+
+
 def read_pg_status(recorders: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Raw ``pg_status`` per recorder, without collectives (the cheap path)."""
     ext = _c10d()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import json
 import logging
 import os
 import socket
@@ -22,9 +24,9 @@ from frexporter.recorder import fr
 
 log = logging.getLogger("frexporter.recorder")
 
-# Snapshots between checks that this rank's manifest is still there (the directory may have been removed and
-# recreated by another rank, which our writes into the new directory would not notice).
-MANIFEST_CHECK_EVERY = 5
+# Snapshots between checks that this rank's files are still there: updates of the mapped snapshot go on
+# into a removed file without an error, and another rank may have recreated the directory meanwhile.
+SPOOL_CHECK_EVERY = 5
 
 
 class Publisher:
@@ -43,6 +45,11 @@ class Publisher:
         self._generation = 0
         self._counter = 0
         self._recorders: tuple[str, ...] = ()
+        self._map = spool.SnapshotMap("")
+        self._map_path_cached, self._map_path_for = "", None
+        self._head, self._head_key = b"", None
+        self._errors_version = 0
+        self._pid = os.getpid()
         self.start_time = time.time()
 
     # ------------------------------------------------------------ lifecycle
@@ -52,12 +59,15 @@ class Publisher:
 
     def stop(self, state: str = "exiting") -> None:
         """Called at interpreter exit: tell the exporter this was a clean exit, not a crash."""
+        if os.getpid() != self._pid:
+            return  # a forked child (a DataLoader worker) exiting: not this rank, and its files are the parent's
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 2 * self.interval))
         if self._stem:
             with contextlib.suppress(Exception):  # at exit the disk may be full or the dir gone
                 self._write_snapshot({}, state=state, message="process exiting")
+                self._map.close()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 self._server.shutdown()
@@ -97,13 +107,14 @@ class Publisher:
             if count != self._pg_count:
                 self._pg_count = count
                 self._write_manifest()
-            status = fr.read_pg_status(self._recorders)
-            self._write_snapshot(status)
-            # Every few snapshots only: each syscall is a GIL hand-off (spool.write_json_atomic). A removed
-            # directory shows at once anyway, as ENOENT from the next write.
-            if self._counter % MANIFEST_CHECK_EVERY == 0 and not os.path.exists(self._path(spool.MANIFEST_SUFFIX)):
+            self._write_snapshot(fr.read_raw_status(self._recorders))
+            # Every few snapshots only: a syscall hands the GIL to the training thread and back.
+            if self._counter % SPOOL_CHECK_EVERY == 0 and (
+                    self._map.gone() or not os.path.exists(self._path(spool.MANIFEST_SUFFIX))):
                 # Someone removed the spool directory (another rank may already have recreated it).
                 self._recreate_spool()
+        except spool.SpoolError as e:
+            self._count_error(e.reason, e)
         except OSError as e:
             # errno names are stable, bounded reasons: ENOSPC (disk full) reads better than OSError.
             self._count_error(errno.errorcode.get(e.errno or 0, type(e).__name__).lower(), e)
@@ -127,6 +138,7 @@ class Publisher:
             if self._server is None and self._manifest.get("socket"):
                 self._server = fr.start_worker_server(path)
             self._pg_count = -1  # rewrite the manifest on the next tick
+            self._map.close()  # and create the snapshot file anew
             log.warning("frexporter recorder: spool directory %s was removed; publishing again", self.directory)
         except Exception as e:
             self._count_error("spool_recreate", e)
@@ -174,32 +186,48 @@ class Publisher:
         self._manifest["generation"] = self._generation
         spool.write_json_atomic(self._path(spool.MANIFEST_SUFFIX), self._manifest)
 
-    def _write_snapshot(self, status: dict[str, Any], state: str = "running", message: str = "") -> None:
+    def _write_snapshot(self, status: dict[str, bytes], state: str = "running", message: str = "") -> None:
+        """Update the mapped snapshot; ``status`` is torch's JSON per recorder, spliced in unparsed.
+
+        This runs under the GIL once a second with cold caches, so the parts that rarely change (format,
+        pid, interval, state, errors) are encoded once and reused until one of them changes.
+        """
         self._counter += 1
-        spool.write_json_atomic(
-            self._path(spool.SNAPSHOT_SUFFIX),
-            {
-                "format": spool.SNAPSHOT_FORMAT,
-                "pid": os.getpid(),
-                "time": time.time(),
-                "interval": self.interval,
-                "counter": self._counter,
-                "status": status,
-                "errors": self.errors,
-                "state": state,
-                "message": message,
-            },
-        )
+        key = (state, message, self._errors_version, self.interval)
+        if key != self._head_key:
+            head = json.dumps({
+                "format": spool.SNAPSHOT_MAP_FORMAT, "pid": self._pid, "interval": self.interval,
+                "errors": self.errors, "state": state, "message": message,
+            }, separators=(",", ":")).encode()
+            self._head, self._head_key = head[:-1], key
+        body = b",".join(_recorder_key(recorder) + raw for recorder, raw in status.items())
+        path = self._map_path()
+        if self._map.path != path:
+            self._map.close()
+            self._map = spool.SnapshotMap(path)
+        self._map.write(b'%s,"counter":%d,"time":%r,"status":{%s}}' % (
+            self._head, self._counter, time.time(), body))
+
+    def _map_path(self) -> str:
+        if self._map_path_for != self._stem:
+            self._map_path_cached, self._map_path_for = self._path(spool.SNAPSHOT_MAP_SUFFIX), self._stem
+        return self._map_path_cached
 
     def _path(self, suffix: str) -> str:
         return os.path.join(self.directory, self._stem + suffix)
 
     def _count_error(self, reason: str, exc: BaseException) -> None:
         self.errors[reason] = self.errors.get(reason, 0) + 1
+        self._errors_version += 1
         if reason not in self._logged:
             self._logged.add(reason)
             log.warning("frexporter recorder: %s: %s (further errors of this kind are counted, not logged)",
                         reason, exc)
+
+
+@functools.lru_cache(maxsize=8)
+def _recorder_key(recorder: str) -> bytes:
+    return json.dumps(recorder).encode() + b":"
 
 
 def default_job_id() -> str:

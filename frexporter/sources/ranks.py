@@ -86,6 +86,7 @@ class _RankTrack:
     manifest_sig: _FileSig
     snapshot: Snapshot | None = None
     snapshot_sig: _FileSig = field(default_factory=_FileSig)
+    snapshot_map_key: tuple[int, int] | None = None  # (inode, sequence) of the mapped snapshot last parsed
     last_fresh: float | None = None  # our clock when a new snapshot counter was last seen
     deep_raw: dict[str, dict[int, RawPGStatus]] = field(default_factory=dict)  # recorder -> raw at deep read
     deep_time: float | None = None  # wall clock of the last deep read (exported)
@@ -172,8 +173,8 @@ class RanksSource:
     def _load_manifests(self, entries: dict[str, os.DirEntry]) -> None:
         seen_stems = set()
         for name, entry in entries.items():
-            if (name.startswith(".") or name == spool.EVIDENCE_DIRNAME or name.endswith(spool.SNAPSHOT_SUFFIX)
-                    or name.endswith(spool.SOCKET_SUFFIX)):
+            if (name.startswith(".") or name == spool.EVIDENCE_DIRNAME
+                    or name.endswith((spool.SNAPSHOT_SUFFIX, spool.SNAPSHOT_MAP_SUFFIX, spool.SOCKET_SUFFIX))):
                 continue
             path = entry.path
             try:
@@ -213,17 +214,27 @@ class RanksSource:
                 del self._ranks[stem]
 
     def _load_snapshot(self, track: _RankTrack, entries: dict[str, os.DirEntry]) -> None:
-        entry = entries.get(track.stem + spool.SNAPSHOT_SUFFIX)
+        # A mapped snapshot changes in place (no new mtime to go by): read it every poll. A JSON one
+        # (recorders before the mapped format) is replaced per snapshot: read it when it changed.
+        mapped = entries.get(track.stem + spool.SNAPSHOT_MAP_SUFFIX)
+        entry = mapped or entries.get(track.stem + spool.SNAPSHOT_SUFFIX)
         if entry is None:
             return
         try:
             sig = _FileSig.of(entry.stat(follow_symlinks=False))
         except OSError:
             return
-        if sig == track.snapshot_sig:
+        if mapped is None and sig == track.snapshot_sig:
             return
         try:
-            snap = spool.parse_snapshot(spool.read_json_file(entry.path, spool.MAX_SNAPSHOT_BYTES), entry.path)
+            if mapped is not None:
+                key, obj = spool.read_snapshot_map_if_new(entry.path, track.snapshot_map_key)
+                if obj is None:
+                    return
+                track.snapshot_map_key = key
+            else:
+                obj = spool.read_json_file(entry.path, spool.MAX_SNAPSHOT_BYTES)
+            snap = spool.parse_snapshot(obj, entry.path)
         except SpoolError as e:
             self._report(entry.path, sig, e)
             return

@@ -1,0 +1,173 @@
+"""The mapped snapshot file: what the recorder updates in place once a second and the exporter reads every poll."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import stat
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from frexporter import spool
+from tests import spoolgen
+from tests.test_bad_input import errors_of, healthy_ranks, make_exporter
+
+
+def doc(counter: int = 1, **extra: object) -> dict[str, object]:
+    return spoolgen.as_mapped(spoolgen.snapshot(100000, counter=counter, **extra))
+
+
+def write(path: Path, document: dict[str, object]) -> spool.SnapshotMap:
+    writer = spool.SnapshotMap(str(path))
+    writer.write(json.dumps(document).encode())
+    return writer
+
+
+def test_round_trip_private_file_and_no_temporary_left(tmp_path: Path) -> None:
+    path = tmp_path / ("j.r0" + spool.SNAPSHOT_MAP_SUFFIX)
+    writer = write(path, doc(counter=1))
+    try:
+        assert spool.read_snapshot_map(str(path))["counter"] == 1
+        writer.write(json.dumps(doc(counter=2)).encode())
+        snap = spool.parse_snapshot(spool.read_snapshot_map(str(path)))
+        assert snap.counter == 2 and snap.status["fr"][0].completed == 10
+        assert stat.S_IMODE(path.stat().st_mode) == spool.FILE_MODE
+        assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    finally:
+        writer.close()
+
+
+def test_a_snapshot_larger_than_the_file_grows_it(tmp_path: Path) -> None:
+    path = tmp_path / ("j.r0" + spool.SNAPSHOT_MAP_SUFFIX)
+    writer = write(path, doc())
+    try:
+        assert path.stat().st_size == spool.MAP_INITIAL_CAPACITY
+        big = doc(counter=2, message="m" * (3 * spool.MAP_INITIAL_CAPACITY))
+        writer.write(json.dumps(big).encode())
+        assert path.stat().st_size >= 3 * spool.MAP_INITIAL_CAPACITY
+        assert spool.read_snapshot_map(str(path))["message"] == big["message"]
+        with pytest.raises(spool.SpoolError) as err:
+            writer.write(b"x" * (spool.MAX_SNAPSHOT_BYTES + 1))
+        assert err.value.reason == "oversized"
+    finally:
+        writer.close()
+
+
+def test_unchanged_file_is_not_parsed_again(tmp_path: Path) -> None:
+    path = tmp_path / ("j.r0" + spool.SNAPSHOT_MAP_SUFFIX)
+    writer = write(path, doc())
+    try:
+        key, obj = spool.read_snapshot_map_if_new(str(path), None)
+        assert obj["counter"] == 1
+        assert spool.read_snapshot_map_if_new(str(path), key) == (key, None)
+        writer.write(json.dumps(doc(counter=2)).encode())
+        key2, obj = spool.read_snapshot_map_if_new(str(path), key)
+        assert key2 != key and obj["counter"] == 2
+    finally:
+        writer.close()
+
+
+def test_gone_after_removal_or_replacement(tmp_path: Path) -> None:
+    path = tmp_path / ("j.r0" + spool.SNAPSHOT_MAP_SUFFIX)
+    writer = write(path, doc())
+    try:
+        assert not writer.gone()
+        path.unlink()
+        assert writer.gone()
+        write(path, doc()).close()  # someone else's file under our name
+        assert writer.gone()
+    finally:
+        writer.close()
+
+
+def _valid_bytes(tmp_path: Path) -> bytes:
+    path = tmp_path / "seed.map"
+    write(path, doc()).close()
+    return path.read_bytes()
+
+
+def _patched(data: bytes, offset: int, fmt: str, value: int | bytes) -> bytes:
+    out = bytearray(data)
+    struct.pack_into(fmt, out, offset, value)
+    return bytes(out)
+
+
+BAD = {
+    "odd sequence (writer died mid-update)": (lambda d: _patched(d, 8, "<Q", 3), "torn"),
+    "CRC mismatch": (lambda d: _patched(d, 20, "<I", 12345), "torn"),
+    "not ours": (lambda d: b"GIF89a" + d[6:], "foreign"),
+    "a later version": (lambda d: b"FRXSNAP\x03" + d[8:], "unknown_version"),
+    "shorter than the header": (lambda d: d[:10], "truncated"),
+    "payload past the end": (lambda d: d[:100], "truncated"),
+    "oversized": (lambda d: d + b"\0" * (spool.MAX_SNAPSHOT_BYTES + 1), "oversized"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_mapped_files_are_refused_with_a_reason(tmp_path: Path, case: str) -> None:
+    make, reason = BAD[case]
+    path = tmp_path / ("j.r0" + spool.SNAPSHOT_MAP_SUFFIX)
+    path.write_bytes(make(_valid_bytes(tmp_path)))
+    with pytest.raises(spool.SpoolError) as err:
+        spool.read_snapshot_map(str(path))
+    assert err.value.reason == reason
+
+
+def _writer(path: str, stop: float) -> None:
+    writer = spool.SnapshotMap(path)
+    counter = 0
+    while time.time() < stop:
+        counter += 1
+        writer.write(json.dumps(doc(counter=counter, message="p" * (counter % 5000))).encode())
+
+
+def test_a_reader_never_sees_a_half_written_snapshot(tmp_path: Path) -> None:
+    """A writer process updating as fast as it can; every read is whole and counters never go back."""
+    path = tmp_path / ("j.r0" + spool.SNAPSHOT_MAP_SUFFIX)
+    write(path, doc(counter=0)).close()
+    proc = multiprocessing.get_context("fork").Process(target=_writer, args=(str(path), time.time() + 3))
+    proc.start()
+    try:
+        last, reads, torn = -1, 0, 0
+        while proc.is_alive() and reads < 3000:
+            try:
+                obj = spool.read_snapshot_map(str(path))
+            except spool.SpoolError as e:
+                assert e.reason == "torn", e  # five torn reads in a row: possible under this load, never garbage
+                torn += 1
+                continue
+            assert obj["counter"] >= last and obj["message"] == "p" * (obj["counter"] % 5000)
+            last, reads = obj["counter"], reads + 1
+        assert reads > 100 and last > 0
+    finally:
+        proc.join(timeout=10)
+
+
+def test_exporter_reads_mapped_snapshots_and_reports_a_bad_one_once(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    for rank in (0, 1):
+        spoolgen.write_rank(tmp_path, "job", rank, mapped=True)
+    exporter, _ = make_exporter(tmp_path)
+    exporter.poll_once()
+    assert healthy_ranks(exporter) == {0, 1}
+    for counter in range(2, 5):  # in-place updates are seen although the file's mtime may not move
+        spoolgen.refresh(tmp_path, "job", 1, counter=counter, seq=10 + counter, mapped=True)
+        exporter.poll_once()
+        pg = next(r for r in exporter.snapshot.ranks if r.rank == 1).pgs[0]
+        assert pg.last_enqueued == 10 + counter
+    bad = tmp_path / (spool.rank_stem("job", 0) + spool.SNAPSHOT_MAP_SUFFIX)
+    data = bytearray(bad.read_bytes())
+    data[:8] = b"GARBAGE!"
+    os.unlink(bad)  # the writer's mapping stays with the old file
+    bad.write_bytes(bytes(data))
+    caplog.set_level(logging.WARNING, logger="frexporter")
+    for _ in range(3):
+        exporter.poll_once()
+    assert errors_of(exporter) == {"foreign": 1}
+    assert sum("not a frexporter snapshot" in r.getMessage() for r in caplog.records) == 1
+    assert {r.rank for r in exporter.snapshot.ranks} == {0, 1}
