@@ -136,7 +136,7 @@ def classify(series: list[Series]) -> dict[str, list[Series]]:
     return out
 
 
-def capacity(series: list[Series]) -> dict[str, Any]:
+def capacity(series: list[Series], pgs: int = PGS) -> dict[str, Any]:
     from frexporter.model import DURATION_BUCKETS
 
     groups = classify(series)
@@ -150,17 +150,17 @@ def capacity(series: list[Series]) -> dict[str, Any]:
     histogram_per_op = len(DURATION_BUCKETS) + 1 + 2 + 1  # buckets, +Inf, _sum and _count, bytes counter
     nodes_per_1k_gpus = math.ceil(1000 / GPUS_PER_NODE)
     return {
-        "template": f"{RANKS_PER_NODE} ranks x {PGS} PGs + {GPUS_PER_NODE} GPUs",
-        "per_pg_per_rank": len(per_pg) / (RANKS_PER_NODE * PGS),
+        "template": f"{RANKS_PER_NODE} ranks x {pgs} PGs + {GPUS_PER_NODE} GPUs",
+        "per_pg_per_rank": len(per_pg) / (RANKS_PER_NODE * pgs),
         "per_rank": per_rank,
-        "per_rank_worst": per_rank + PGS * (inflight_extra + nccl_timing_extra),
+        "per_rank_worst": per_rank + pgs * (inflight_extra + nccl_timing_extra),
         "per_gpu": per_gpu,
         "per_node": per_node,
         "per_node_breakdown": {"rank": len(groups["rank"]), "gpu": len(groups["gpu"]),
                                "node": len(groups["node"]), "scrape": SCRAPE_SERIES_PER_TARGET},
         "collective_histogram_per_node_per_pg_op": histogram_per_op,
         "per_1k_gpu_job": per_node * nodes_per_1k_gpus,
-        "per_1k_gpu_job_worst": (per_node + RANKS_PER_NODE * PGS * (inflight_extra + nccl_timing_extra))
+        "per_1k_gpu_job_worst": (per_node + RANKS_PER_NODE * pgs * (inflight_extra + nccl_timing_extra))
                                 * nodes_per_1k_gpus,
         "per_8192_rank_job": per_node * 8192 // RANKS_PER_NODE,
         "by_metric": dict(Counter(s.name for s in series).most_common()),
@@ -611,11 +611,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="queries per rule (median reported)")
     parser.add_argument("--extrapolate-to", type=int, default=None, metavar="NODES")
     parser.add_argument("--capacity-only", action="store_true")
+    parser.add_argument("--pgs", type=int, default=PGS, help="PGs per rank for --capacity-only (default %(default)s)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.capacity_only:
-        print(json.dumps(capacity(parse_exposition(real_exposition())), indent=1))
+        print(json.dumps(capacity(parse_exposition(real_exposition(pgs=args.pgs)), args.pgs), indent=1))
         return 0
     r = run(args.nodes, args.history, args.margin, args.repeats, args.keep)
     if args.json:
