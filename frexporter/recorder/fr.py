@@ -63,7 +63,11 @@ def read_raw_status(recorders: tuple[str, ...]) -> dict[str, bytes]:
             raw = ext._dump_fr_trace_json(includeCollectives=False)
         else:
             raw = ext._dump_nccl_trace_json(includeCollectives=False)
-        out[recorder] = raw.encode() if isinstance(raw, str) else bytes(raw)
+        data = raw.encode() if isinstance(raw, str) else bytes(raw)
+        if data[:1] != b"{" or data.rstrip()[-1:] != b"}":
+            # Spliced in unparsed: anything but an object would make the whole snapshot unreadable.
+            raise ValueError(f"torch's {recorder} status is not a JSON object ({data[:40]!r})")
+        out[recorder] = data
     return out
 
 

@@ -50,6 +50,7 @@ class Publisher:
         self._head, self._head_key = b"", None
         self._errors_version = 0
         self._pid = os.getpid()
+        self._write_lock = threading.Lock()
         self.start_time = time.time()
 
     # ------------------------------------------------------------ lifecycle
@@ -64,10 +65,15 @@ class Publisher:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 2 * self.interval))
-        if self._stem:
-            with contextlib.suppress(Exception):  # at exit the disk may be full or the dir gone
-                self._write_snapshot({}, state=state, message="process exiting")
-                self._map.close()
+        # The thread may still be inside a snapshot if join timed out: two writers interleaving their updates
+        # could leave a payload under the other's checksum, so the last word waits for the lock (a while).
+        if self._stem and self._write_lock.acquire(timeout=1.0):
+            try:
+                with contextlib.suppress(Exception):  # at exit the disk may be full or the dir gone
+                    self._write_snapshot({}, state=state, message="process exiting")
+                    self._map.close()
+            finally:
+                self._write_lock.release()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 self._server.shutdown()
@@ -88,9 +94,12 @@ class Publisher:
                 self._stop.wait(self.interval)
         except BaseException as e:  # the thread must say why it died, never vanish silently
             log.exception("frexporter recorder thread died; this rank's state is no longer published")
-            if self._stem:
-                with contextlib.suppress(Exception):
-                    self._write_snapshot({}, state="stopped", message=f"recorder thread died: {e!r}")
+            if self._stem and self._write_lock.acquire(timeout=1.0):
+                try:
+                    with contextlib.suppress(Exception):
+                        self._write_snapshot({}, state="stopped", message=f"recorder thread died: {e!r}")
+                finally:
+                    self._write_lock.release()
 
     def tick(self) -> None:
         try:
@@ -107,7 +116,9 @@ class Publisher:
             if count != self._pg_count:
                 self._pg_count = count
                 self._write_manifest()
-            self._write_snapshot(fr.read_raw_status(self._recorders))
+            status = fr.read_raw_status(self._recorders)
+            with self._write_lock:
+                self._write_snapshot(status)
             # Every few snapshots only: a syscall hands the GIL to the training thread and back.
             if self._counter % SPOOL_CHECK_EVERY == 0 and (
                     self._map.gone() or not os.path.exists(self._path(spool.MANIFEST_SUFFIX))):
