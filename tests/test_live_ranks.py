@@ -83,11 +83,13 @@ def test_rank_blocked_in_collective(job_factory, exporter_factory) -> None:
     exp = exporter_factory(job.spool)
 
     def blocked():
-        r0 = exp.rank(0)
+        r0, r1 = exp.rank(0), exp.rank(1)
         pg = r0 and next((p for p in r0.pgs if p.desc == "default_pg"), None)
-        return pg if pg and pg.inflight_count == 1 and pg.oldest_inflight is not None else None
+        # Rank 1's recorder publishes on its own schedule: wait for its state too before reading /metrics.
+        idle = r1 and next((p for p in r1.pgs if p.desc == "default_pg" and p.last_completed == 3), None)
+        return pg if idle and pg and pg.inflight_count == 1 and pg.oldest_inflight is not None else None
 
-    pg = wait_for(blocked, timeout=20, what="rank 0 in flight")
+    pg = wait_for(blocked, timeout=20, what="rank 0 in flight and rank 1 idle after 3 collectives")
     assert (pg.last_enqueued, pg.last_completed) == (4, 3)
     assert pg.oldest_inflight.op == "all_reduce" and pg.oldest_inflight.seq == 4
     assert pg.timeout_seconds == 120

@@ -588,3 +588,16 @@ def healthy_jobs(draw: st.DrawFn) -> list[RankState]:
 @given(healthy_jobs(), st.booleans())
 def test_property_healthy_skew_is_never_a_verdict(states: list[RankState], complete: bool) -> None:
     assert evaluate(states, NOW, VerdictConfig(stuck_after=60.0, complete_view=complete)) == ()
+
+
+def test_dump_completion_lag_on_two_ranks_still_names_the_missing_one() -> None:
+    """gloo marks a finished barrier completed late: two of three dumps still show it in flight."""
+    from frexporter.analysis.frdump import _settle_completion_lag
+
+    world = (0, 1, 2)
+    lagging = pg("0", world, 5, 3, (entry(4, 0.5, op="barrier"), entry(5, 0.4)))
+    states = _settle_completion_lag((rank(0, lagging), rank(1, lagging), rank(2, idle("0", world, 4))))
+    assert [(p.last_completed, [e.seq for e in p.inflight]) for s in states for p in s.pgs] == [
+        (4, [5]), (4, [5]), (4, [])]
+    v = only(evaluate(list(states), NOW, VerdictConfig(stuck_after=0.0, complete_view=True)))
+    assert (v.kind, v.ranks, v.waiting_ranks, v.seq) == ("missing_rank", (2,), (0, 1), 5)

@@ -180,11 +180,13 @@ def rank_states(dumps: list[RankDump], job_id: str = "dump") -> tuple[RankState,
 
 
 def _settle_completion_lag(states: tuple[RankState, ...]) -> tuple[RankState, ...]:
-    """A collective every other rank completed is complete on this rank too.
+    """A collective any rank completed is complete on every rank that enqueued it.
 
     gloo wakes the caller before its worker thread marks the work completed and retired, so a dump taken
-    right after a blocking collective can show it still in flight on one rank while its peers show it done.
-    Left alone, that rank's frontier would be a collective that is over, hiding the real hang behind it.
+    right after a blocking collective can show it still in flight on some ranks while a peer shows it done.
+    A collective completes nowhere until every rank has joined it, so one rank's completion proves that no
+    one is stuck on it. Left alone, the lagging ranks' frontier would be a collective that is over, hiding
+    the real hang behind it (with two lagging ranks of three, "every other rank" would not be enough).
     """
     done: dict[str, list[int]] = {}
     for state in states:
@@ -194,9 +196,7 @@ def _settle_completion_lag(states: tuple[RankState, ...]) -> tuple[RankState, ..
     for state in states:
         pgs = []
         for pg in state.pgs:
-            others = list(done[pg.name])
-            others.remove(pg.last_completed)
-            settled = min(min(others, default=pg.last_completed), pg.last_enqueued)
+            settled = min(max(done[pg.name]), pg.last_enqueued)
             if settled > pg.last_completed:
                 inflight = tuple(e for e in pg.inflight if e.seq > settled)
                 pg = replace(pg, last_completed=settled, inflight=inflight,
