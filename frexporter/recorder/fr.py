@@ -53,16 +53,22 @@ def available_recorders() -> tuple[str, ...]:
     return tuple(found)
 
 
+# Looked up once: the snapshot path runs once a second from cold caches, where every lookup shows.
+_STATUS_DUMPERS: dict[str, Any] = {}
+_C10D_PY: list[Any] = []
+
+
 def read_raw_status(recorders: tuple[str, ...]) -> dict[str, bytes]:
     """torch's JSON answer per recorder, without collectives, unparsed: the snapshot embeds it as it is
     (parsing and re-encoding it would hold the GIL longer; the exporter parses and checks it)."""
-    ext = _c10d()
     out: dict[str, bytes] = {}
     for recorder in recorders:
-        if recorder == spool.RECORDER_FR:
-            raw = ext._dump_fr_trace_json(includeCollectives=False)
-        else:
-            raw = ext._dump_nccl_trace_json(includeCollectives=False)
+        dump = _STATUS_DUMPERS.get(recorder)
+        if dump is None:
+            ext = _c10d()
+            dump = ext._dump_fr_trace_json if recorder == spool.RECORDER_FR else ext._dump_nccl_trace_json
+            _STATUS_DUMPERS[recorder] = dump
+        raw = dump(includeCollectives=False)
         data = raw.encode() if isinstance(raw, str) else bytes(raw)
         if data[:1] != b"{" or data.rstrip()[-1:] != b"}":
             # Spliced in unparsed: anything but an object would make the whole snapshot unreadable.
@@ -104,9 +110,11 @@ def start_worker_server(path: str) -> Any:
 
 def pg_count() -> int:
     """Cheap change detector for the PG table (a dict length, no allocation)."""
-    from torch.distributed import distributed_c10d as c10d
+    if not _C10D_PY:
+        from torch.distributed import distributed_c10d as c10d
 
-    return len(c10d._world.pg_names)
+        _C10D_PY.append(c10d)
+    return len(_C10D_PY[0]._world.pg_names)
 
 
 def pg_table() -> list[dict[str, Any]]:
