@@ -37,6 +37,7 @@ def snapshot_gil_parts() -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
         pub = Publisher(directory, "probe", 1.0)
         pub._stem = "probe.r0"
+        pub._map = spool.SnapshotMap(pub._path(spool.SNAPSHOT_MAP_SUFFIX))
         recorders = fr.available_recorders()
         status = fr.read_raw_status(recorders)
         pub._write_snapshot(status)  # creates the mapped file (syscalls, once)

@@ -407,7 +407,15 @@ def read_snapshot_map_if_new(path: str, known: tuple[int, int] | None,
             raise SpoolError("oversized", f"{path}: larger than the {max_bytes} byte limit")
         problem: SpoolError | None = None
         for _ in range(_MAP_READ_ATTEMPTS):
-            data = os.pread(fd, st.st_size, 0)
+            # The header first: most polls find nothing new, and the file is far larger than its payload.
+            head = os.pread(fd, MAP_HEADER_BYTES, 0)
+            length = 0
+            if len(head) == MAP_HEADER_BYTES and head[:8] == _MAP_MAGIC:
+                seq = _MAP_SEQ.unpack_from(head, 8)[0]
+                if known == (st.st_ino, seq) and seq % 2 == 0:
+                    return known, None
+                length = _MAP_LENGTH_CRC.unpack_from(head, 16)[0]
+            data = os.pread(fd, min(st.st_size, MAP_HEADER_BYTES + length), 0)
             payload, problem = _map_payload(data, path)
             if payload is not None:
                 key = (st.st_ino, _MAP_SEQ.unpack_from(data, 8)[0])

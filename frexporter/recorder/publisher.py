@@ -45,8 +45,7 @@ class Publisher:
         self._generation = 0
         self._counter = 0
         self._recorders: tuple[str, ...] = ()
-        self._map = spool.SnapshotMap("")
-        self._map_path_cached, self._map_path_for = "", None
+        self._map = spool.SnapshotMap("")  # the real one once the rank is known (_identify)
         self._head, self._head_key = b"", None
         self._errors_version = 0
         self._pid = os.getpid()
@@ -160,6 +159,7 @@ class Publisher:
         rank = dist.get_rank()
         job_id = self.job_id_hint or default_job_id()
         self._stem = spool.rank_stem(job_id, rank)
+        self._map = spool.SnapshotMap(self._path(spool.SNAPSHOT_MAP_SUFFIX))
         self._recorders = fr.available_recorders()
         sock_name = ""
         try:
@@ -212,17 +212,8 @@ class Publisher:
             }, separators=(",", ":")).encode()
             self._head, self._head_key = head[:-1], key
         body = b",".join(_recorder_key(recorder) + raw for recorder, raw in status.items())
-        path = self._map_path()
-        if self._map.path != path:
-            self._map.close()
-            self._map = spool.SnapshotMap(path)
         self._map.write(b'%s,"counter":%d,"time":%r,"status":{%s}}' % (
             self._head, self._counter, time.time(), body))
-
-    def _map_path(self) -> str:
-        if self._map_path_for != self._stem:
-            self._map_path_cached, self._map_path_for = self._path(spool.SNAPSHOT_MAP_SUFFIX), self._stem
-        return self._map_path_cached
 
     def _path(self, suffix: str) -> str:
         return os.path.join(self.directory, self._stem + suffix)
