@@ -9,7 +9,6 @@ server without the GIL.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Any
 
@@ -74,19 +73,6 @@ def read_raw_status(recorders: tuple[str, ...]) -> dict[str, bytes]:
             # Spliced in unparsed: anything but an object would make the whole snapshot unreadable.
             raise ValueError(f"torch's {recorder} status is not a JSON object ({data[:40]!r})")
         out[recorder] = data
-    return out
-
-
-def read_pg_status(recorders: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Raw ``pg_status`` per recorder, without collectives (the cheap path)."""
-    ext = _c10d()
-    out: dict[str, dict[str, Any]] = {}
-    for recorder in recorders:
-        if recorder == spool.RECORDER_FR:
-            raw = ext._dump_fr_trace_json(includeCollectives=False)
-        else:
-            raw = ext._dump_nccl_trace_json(includeCollectives=False)
-        out[recorder] = json.loads(raw).get("pg_status", {})
     return out
 
 
