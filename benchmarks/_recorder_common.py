@@ -38,10 +38,10 @@ def snapshot_gil_parts() -> dict[str, float]:
         pub = Publisher(directory, "probe", 1.0)
         pub._stem = "probe.r0"
         pub._map = spool.SnapshotMap(pub._path(spool.SNAPSHOT_MAP_SUFFIX))
-        recorders = fr.available_recorders()
-        status = fr.read_raw_status(recorders)
+        pub._status = reader = fr.StatusReader(fr.available_recorders())
+        status = reader.read()
         pub._write_snapshot(status)  # creates the mapped file (syscalls, once)
-        parts = {"read_status_us": _thread_cpu_us(lambda: fr.read_raw_status(recorders)),
+        parts = {"read_status_us": _thread_cpu_us(reader.read),
                  "write_snapshot_us": _thread_cpu_us(lambda: pub._write_snapshot(status))}
         assert spool.read_snapshot_map(pub._path(spool.SNAPSHOT_MAP_SUFFIX))["counter"] == pub._counter
         pub._map.close()

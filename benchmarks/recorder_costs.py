@@ -70,6 +70,19 @@ def spanned_tick():
     spans.append((a, time.perf_counter()))
 pub.tick = spanned_tick
 interval, pub.interval = pub.interval, 0.1
+# Beside it, a thread that wakes the same way (a lock wait with a timeout) and does nothing: what handing the
+# GIL to any Python thread and back costs on this machine, the floor under the snapshot's figure.
+noop_spans, noop_stop = [], threading.Lock()
+noop_stop.acquire()
+def noop():
+    time.sleep(0.05)  # out of phase with the snapshots
+    while True:
+        a = time.perf_counter()
+        noop_spans.append((a, time.perf_counter()))
+        if noop_stop.acquire(True, 0.1):
+            break
+noop_thread = threading.Thread(target=noop, daemon=True)
+noop_thread.start()
 gaps = []
 pc = time.perf_counter
 end = pc() + float(sys.argv[4])
@@ -80,11 +93,22 @@ while last < end:
         gaps.append((last, now))
     last = now
 pub.tick, pub.interval = inner, interval
+noop_stop.release()
+noop_thread.join()
 def in_gaps(a, b):
     return sum(max(0.0, min(b, g1) - max(a, g0)) for g0, g1 in gaps if g1 > a and g0 < b)
-taken = [in_gaps(a, b) for a, b in spans[1:-1]]
-# The same lengths halfway between snapshots: what the VM and interpreter take anyway.
-control = [in_gaps(a + 0.05, b + 0.05) for a, b in spans[1:-1]]
+# Padded: the thread takes the GIL when it wakes, a little before the tick starts, and gives it back when it
+# waits again, a little after.
+PAD = 0.0005
+def apart(mine, others):
+    # Wake-ups of one thread that the other's did not come near (the two timers drift through each other).
+    return [(a, b) for a, b in mine if all(b2 < a - 0.005 or a2 > b + 0.005 for a2, b2 in others)]
+ticks, noops = apart(spans[1:-1], noop_spans), apart(noop_spans[1:-1], spans)
+taken = [in_gaps(a - PAD, b + PAD) for a, b in ticks]
+held = [in_gaps(a, b) for a, b in ticks]
+floor = [in_gaps(a - PAD, b + PAD) for a, b in noops]
+# The same lengths a quarter interval away from any wake-up: what the VM and interpreter take anyway.
+control = [in_gaps(a + 0.025 - PAD, b + 0.025 + PAD) for a, b in ticks]
 sys.stdout.write("ready\n"); sys.stdout.flush()
 
 # Phase 1: the parent deep-reads while this thread sleeps: the process's CPU is the server's answer.
@@ -108,7 +132,7 @@ from benchmarks._recorder_common import snapshot_gil_parts
 gil = snapshot_gil_parts()
 with open(out, "w") as f:
     json.dump({"steps": steps, "tick_cpu": tick_cpu[2:], "gil": gil, "gil_taken": taken,
-               "gil_control": control}, f)
+               "gil_held": held, "gil_floor": floor, "gil_control": control}, f)
 sys.stdout.write("done\n"); sys.stdout.flush()
 dist.destroy_process_group()
 """
@@ -223,6 +247,9 @@ def analyse(result: dict, reads: list[tuple[int, int]], rank_cpu: list[float], c
     taken = sorted(t * 1e6 for t in result["gil_taken"])
     gil_control = statistics.median(t * 1e6 for t in result["gil_control"])
     gil = max(0.0, statistics.median(taken) - gil_control)
+    # Any Python thread that wakes takes the GIL this long from a busy one (two thread switches); what the
+    # snapshot adds on top of it is its own doing.
+    floor = max(0.0, statistics.median(t * 1e6 for t in result["gil_floor"]) - gil_control)
     # A lock held for L delays the training step that needs it by about L: estimated by how much longer the
     # longest step of a read's span is than that of a same-length span without a read. (The summed excess
     # is printed too; on a noisy VM it is dominated by the VM.)
@@ -241,6 +268,10 @@ def analyse(result: dict, reads: list[tuple[int, int]], rank_cpu: list[float], c
         "snapshot_gil_p90_us": taken[int(0.9 * (len(taken) - 1))] if taken else 0.0,
         "snapshot_gil_probed": len(taken),
         "snapshot_gil_python_parts_us": gil_parts,
+        "snapshot_gil_held_us": statistics.median(t * 1e6 for t in result["gil_held"]),
+        "wakeup_gil_floor_us": floor,
+        "wakeups_probed": len(result["gil_floor"]),
+        "snapshot_gil_beyond_floor_us": max(0.0, gil - floor),
         "deep_read_lock_stall_ms": lock_stall * 1e3,
         "snapshot_thread_cpu_us": tick_cpu,
         "snapshots_timed": len(result["tick_cpu"]),
@@ -264,6 +295,9 @@ def print_report(r: dict[str, float], args: argparse.Namespace) -> None:
           f"median {r['snapshot_gil_raw_us']:.1f} us of gaps during a snapshot (p90 "
           f"{r['snapshot_gil_p90_us']:.1f}) less {r['snapshot_gil_control_us']:.1f} us in the same length without "
           f"one, over {r['snapshot_gil_probed']} snapshots;")
+    print(f"   of which a thread that wakes and does nothing takes {r['wakeup_gil_floor_us']:.1f} us (the GIL hand-off "
+          f"to any Python thread and back, {r['wakeups_probed']} wake-ups): the snapshot's own share "
+          f"{r['snapshot_gil_beyond_floor_us']:.1f} us; inside the tick itself {r['snapshot_gil_held_us']:.1f} us;")
     print(f"   the snapshot's parts alone (thread CPU, no other thread): {r['snapshot_gil_python_parts_us']:.1f} us")
     print(f"2. snapshot thread CPU:          {r['snapshot_thread_cpu_us']:8.1f} us per snapshot "
           f"(median of {r['snapshots_timed']}; syscalls included)")

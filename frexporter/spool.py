@@ -332,24 +332,29 @@ class SnapshotMap:
         self._ino = -1
 
     def write(self, payload: bytes) -> None:
+        mm = self._mm
+        if mm is None or MAP_HEADER_BYTES + len(payload) > len(mm):
+            self._grow(payload)
+            return
+        # The update in place, inline: it runs under the GIL once a second from cold caches, where a call
+        # costs microseconds. An odd sequence marks it in progress. Each field is stored on its own, in this
+        # order: struct.pack_into zeroes its whole span before it fills it in, and a zeroed sequence reads as
+        # even, so the length and checksum must never be zeroed while the sequence is.
+        seq = self._seq + 1
+        _MAP_SEQ.pack_into(mm, 8, seq)
+        _MAP_LENGTH_CRC.pack_into(mm, 16, len(payload), zlib.crc32(payload))
+        mm[MAP_HEADER_BYTES:MAP_HEADER_BYTES + len(payload)] = payload
+        self._seq = seq = seq + 1
+        _MAP_SEQ.pack_into(mm, 8, seq)
+
+    def _grow(self, payload: bytes) -> None:
         need = MAP_HEADER_BYTES + len(payload)
         if need > MAX_SNAPSHOT_BYTES + MAP_HEADER_BYTES:
             raise SpoolError("oversized", f"{self.path}: snapshot of {len(payload)} bytes is over the limit")
-        if self._mm is None or need > len(self._mm):
-            size = MAP_INITIAL_CAPACITY
-            while size < need:
-                size *= 2
-            self._create(min(size, MAX_SNAPSHOT_BYTES + MAP_HEADER_BYTES), payload)
-        else:
-            self._update(self._mm, payload)
-
-    def _update(self, mm: mmap.mmap, payload: bytes) -> None:
-        seq = self._seq + 1
-        _MAP_SEQ.pack_into(mm, 8, seq)
-        mm[MAP_HEADER_BYTES:MAP_HEADER_BYTES + len(payload)] = payload
-        _MAP_LENGTH_CRC.pack_into(mm, 16, len(payload), zlib.crc32(payload))
-        self._seq = seq + 1
-        _MAP_SEQ.pack_into(mm, 8, self._seq)
+        size = MAP_INITIAL_CAPACITY
+        while size < need:
+            size *= 2
+        self._create(min(size, MAX_SNAPSHOT_BYTES + MAP_HEADER_BYTES), payload)
 
     def gone(self) -> bool:
         """True when the file is no longer ours to update: removed, or replaced (a syscall: call it seldom)."""
@@ -378,8 +383,9 @@ class SnapshotMap:
                 ino = os.fstat(fd).st_ino
             finally:
                 os.close(fd)
-            _MAP_HEADER.pack_into(mm, 0, _MAP_MAGIC, self._seq, 0, 0)
-            self._update(mm, payload)
+            self._seq += 2  # even: a complete snapshot from the start
+            _MAP_HEADER.pack_into(mm, 0, _MAP_MAGIC, self._seq, len(payload), zlib.crc32(payload))
+            mm[MAP_HEADER_BYTES:MAP_HEADER_BYTES + len(payload)] = payload
             os.replace(tmp, self.path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -416,7 +422,7 @@ def read_snapshot_map_if_new(path: str, known: tuple[int, int] | None,
                     return known, None
                 length = _MAP_LENGTH_CRC.unpack_from(head, 16)[0]
             data = os.pread(fd, min(st.st_size, MAP_HEADER_BYTES + length), 0)
-            payload, problem = _map_payload(data, path)
+            payload, problem = _map_payload(data, path, st.st_size)
             if payload is not None:
                 key = (st.st_ino, _MAP_SEQ.unpack_from(data, 8)[0])
                 return key, (None if key == known else parse_json_bytes(payload, path))
@@ -428,7 +434,7 @@ def read_snapshot_map_if_new(path: str, known: tuple[int, int] | None,
         os.close(fd)
 
 
-def _map_payload(data: bytes, path: str) -> tuple[bytes | None, SpoolError | None]:
+def _map_payload(data: bytes, path: str, file_size: int) -> tuple[bytes | None, SpoolError | None]:
     """The payload, or None and what is wrong with this read (the caller reads again: the header's fields are
     stored a byte at a time, so a read that races the writer can see any mix of old and new values)."""
     if len(data) < MAP_HEADER_BYTES:
@@ -440,8 +446,12 @@ def _map_payload(data: bytes, path: str) -> tuple[bytes | None, SpoolError | Non
         raise SpoolError("foreign", f"{path}: not a frexporter snapshot")
     if seq % 2:
         return None, SpoolError("torn", f"{path}: its writer stopped inside an update")
+    if not length:  # never written by an update: a read that raced one (pack_into zeroes a field first)
+        return None, SpoolError("torn", f"{path}: empty payload")
     end = MAP_HEADER_BYTES + length
     if end > len(data):
+        if end <= file_size:  # the length grew between the header's read and this one: a race, not damage
+            return None, SpoolError("torn", f"{path}: changed while it was read")
         return None, SpoolError("truncated", f"{path}: payload of {length} bytes runs past the end of the file")
     payload = data[MAP_HEADER_BYTES:end]
     if zlib.crc32(payload) != crc:

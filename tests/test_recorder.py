@@ -77,7 +77,7 @@ def test_recorder_thread_death_is_reported_not_silent(tmp_path: Path) -> None:
         "deadline = time.time() + 30\n"
         "while pub._stem == '' and time.time() < deadline: time.sleep(0.02)\n"
         "def boom(*a): raise SystemExit('simulated bug')\n"
-        "fr.read_raw_status = boom\n"
+        "fr.StatusReader.read = boom\n"
         "while pub.alive and time.time() < deadline: time.sleep(0.02)\n"
         "print(pub.alive)\n"
         "os._exit(0)\n"
@@ -153,3 +153,41 @@ def test_spool_directory_deleted_and_recreated(job_factory, exporter_factory) ->
     deleted_at = max(p.stat().st_mtime for p in job.spool.glob("*.sock"))
     wait_for(lambda: all((r.last_deep_read or 0) > deleted_at for r in exp.snapshot.ranks)
              or all(r.socket_alive is not False for r in exp.snapshot.ranks), timeout=20)
+
+
+@pytest.mark.e2e
+def test_destroyed_and_recreated_process_group_is_published_again(tmp_path: Path) -> None:
+    # After identification the recorder reads only the PG table's size (destroy_process_group() empties it)
+    # instead of is_initialized(): snapshots pause while it is empty and resume, with a new manifest, after a
+    # new init_process_group().
+    code = (
+        "import json, time\n"
+        "from frexporter import spool\n"
+        "from frexporter.recorder import install\n"
+        f"pub = install({str(tmp_path)!r})\n"
+        "import torch, torch.distributed as dist\n"
+        "def wait(cond):\n"
+        "    deadline = time.time() + 30\n"
+        "    while not cond() and time.time() < deadline: time.sleep(0.02)\n"
+        "    assert cond()\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "dist.new_group([0])\n"
+        "wait(lambda: pub._counter >= 3)\n"
+        "gen = pub._generation\n"
+        "dist.destroy_process_group()\n"
+        "wait(lambda: pub._pg_names is not None and not pub._pg_names)\n"
+        "paused = pub._counter\n"
+        "import threading\n"
+        "ticks, real_tick = threading.Semaphore(0), pub.tick\n"
+        "pub.tick = lambda: (real_tick(), ticks.release())\n"
+        "assert all(ticks.acquire(timeout=30) for _ in range(5))  # five ticks while the table is empty\n"
+        "print(pub._counter - paused)\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "wait(lambda: pub._counter >= paused + 3 and pub._generation > gen)\n"
+        "path = pub._path(spool.MANIFEST_SUFFIX)\n"
+        "print(len(spool.parse_manifest(json.load(open(path))).process_groups), pub.errors)\n"
+        "dist.destroy_process_group()\n"
+    )
+    out = python(code, FREXPORTER_SNAPSHOT_INTERVAL="0.05")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["0", "1 {}"]

@@ -100,6 +100,9 @@ def _patched(data: bytes, offset: int, fmt: str, value: int | bytes) -> bytes:
 BAD = {
     "odd sequence (writer died mid-update)": (lambda d: _patched(d, 8, "<Q", 3), "torn"),
     "CRC mismatch": (lambda d: _patched(d, 20, "<I", 12345), "torn"),
+    # struct.pack_into zeroes a field before it fills it in: a read racing an update can catch sequence,
+    # length and checksum all at zero, which would otherwise pass as an even sequence with a valid empty payload.
+    "header fields caught zeroed": (lambda d: d[:8] + bytes(16) + d[24:], "torn"),
     "not ours": (lambda d: b"GIF89a" + d[6:], "foreign"),
     "a later version": (lambda d: b"FRXSNAP\x03" + d[8:], "unknown_version"),
     "shorter than the header": (lambda d: d[:10], "truncated"),

@@ -52,28 +52,34 @@ def available_recorders() -> tuple[str, ...]:
     return tuple(found)
 
 
-# Looked up once: the snapshot path runs once a second from cold caches, where every lookup shows.
-_STATUS_DUMPERS: dict[str, Any] = {}
-_C10D_PY: list[Any] = []
+class StatusReader:
+    """torch's status JSON per recorder, without collectives, unparsed: the snapshot embeds it as it is
+    (parsing and re-encoding it would hold the GIL longer; the exporter parses and checks it).
 
+    It runs once a second from cold caches, where every attribute lookup shows (a few microseconds each on
+    a VM), so torch's functions are looked up once and called positionally.
+    """
 
-def read_raw_status(recorders: tuple[str, ...]) -> dict[str, bytes]:
-    """torch's JSON answer per recorder, without collectives, unparsed: the snapshot embeds it as it is
-    (parsing and re-encoding it would hold the GIL longer; the exporter parses and checks it)."""
-    out: dict[str, bytes] = {}
-    for recorder in recorders:
-        dump = _STATUS_DUMPERS.get(recorder)
-        if dump is None:
-            ext = _c10d()
-            dump = ext._dump_fr_trace_json if recorder == spool.RECORDER_FR else ext._dump_nccl_trace_json
-            _STATUS_DUMPERS[recorder] = dump
-        raw = dump(includeCollectives=False)
-        data = raw.encode() if isinstance(raw, str) else bytes(raw)
-        if data[:1] != b"{" or data.rstrip()[-1:] != b"}":
-            # Spliced in unparsed: anything but an object would make the whole snapshot unreadable.
-            raise ValueError(f"torch's {recorder} status is not a JSON object ({data[:40]!r})")
-        out[recorder] = data
-    return out
+    def __init__(self, recorders: tuple[str, ...]) -> None:
+        ext = _c10d()
+        self.recorders = recorders
+        self._dumpers = tuple(
+            ext._dump_fr_trace_json if recorder == spool.RECORDER_FR else ext._dump_nccl_trace_json
+            for recorder in recorders)
+
+    def read(self) -> tuple[bytes, ...]:
+        out = []
+        for dump in self._dumpers:
+            raw = dump(False)  # includeCollectives=False: pg_status and pg_config only
+            if type(raw) is not bytes:
+                raw = raw.encode() if isinstance(raw, str) else bytes(raw)
+            if raw[:1] != b"{" or raw[-1:] != b"}":
+                raw = raw.strip()
+                if raw[:1] != b"{" or raw[-1:] != b"}":
+                    # Spliced in unparsed: anything but an object would make the whole snapshot unreadable.
+                    raise ValueError(f"torch's status is not a JSON object ({raw[:40]!r})")
+            out.append(raw)
+        return tuple(out)
 
 
 def handler_names() -> tuple[str, ...]:
@@ -94,13 +100,12 @@ def start_worker_server(path: str) -> Any:
     return server
 
 
-def pg_count() -> int:
-    """Cheap change detector for the PG table (a dict length, no allocation)."""
-    if not _C10D_PY:
-        from torch.distributed import distributed_c10d as c10d
+def world() -> Any:
+    """torch's process-group registry (a module global, assigned once); ``len(world().pg_names)`` is a cheap
+    change detector for the PG table, and 0 once ``destroy_process_group()`` has emptied it."""
+    from torch.distributed import distributed_c10d as c10d
 
-        _C10D_PY.append(c10d)
-    return len(_C10D_PY[0]._world.pg_names)
+    return c10d._world
 
 
 def pg_table() -> list[dict[str, Any]]:

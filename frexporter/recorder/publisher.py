@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import json
 import logging
 import os
@@ -33,10 +32,13 @@ class Publisher:
     def __init__(self, directory: str, job_id: str | None, interval: float) -> None:
         self.directory = directory
         self.job_id_hint = job_id
-        self.interval = interval
+        self._interval = interval
         self.errors: dict[str, int] = {}
         self._logged: set[str] = set()
-        self._stop = threading.Event()
+        # A bare lock, held until stop(): waiting on it with a timeout is one C call, where Event.wait runs
+        # Condition's Python code under the GIL at every wake-up.
+        self._stop = threading.Lock()
+        self._stop.acquire()
         self._thread = threading.Thread(target=self._main, name="frexporter-recorder", daemon=True)
         self._server: Any = None
         self._stem = ""
@@ -44,10 +46,12 @@ class Publisher:
         self._pg_count = -1
         self._generation = 0
         self._counter = 0
-        self._recorders: tuple[str, ...] = ()
+        self._status: fr.StatusReader | None = None
+        self._world: Any = None
+        self._pg_names: Any = None  # self._world.pg_names, refreshed every SPOOL_CHECK_EVERY snapshots
         self._map = spool.SnapshotMap("")  # the real one once the rank is known (_identify)
-        self._head, self._head_key = b"", None
-        self._errors_version = 0
+        self._format: bytes | None = None  # the snapshot's bytes format while running (_snapshot_format)
+        self._format_slots = 0
         self._pid = os.getpid()
         self._write_lock = threading.Lock()
         self.start_time = time.time()
@@ -61,7 +65,8 @@ class Publisher:
         """Called at interpreter exit: tell the exporter this was a clean exit, not a crash."""
         if os.getpid() != self._pid:
             return  # a forked child (a DataLoader worker) exiting: not this rank, and its files are the parent's
-        self._stop.set()
+        with contextlib.suppress(RuntimeError):  # already released by an earlier stop()
+            self._stop.release()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 2 * self.interval))
         # The thread may still be inside a snapshot if join timed out: two writers interleaving their updates
@@ -69,7 +74,7 @@ class Publisher:
         if self._stem and self._write_lock.acquire(timeout=1.0):
             try:
                 with contextlib.suppress(Exception):  # at exit the disk may be full or the dir gone
-                    self._write_snapshot({}, state=state, message="process exiting")
+                    self._write_snapshot((), state=state, message="process exiting")
                     self._map.close()
             finally:
                 self._write_lock.release()
@@ -84,45 +89,64 @@ class Publisher:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def interval(self) -> float:
+        return self._interval
+
+    @interval.setter
+    def interval(self, seconds: float) -> None:
+        self._interval = seconds
+        self._format = None  # the snapshot states its interval
+
     # ------------------------------------------------------------ loop
 
     def _main(self) -> None:
         try:
-            while not self._stop.is_set():
+            while True:
                 self.tick()
-                self._stop.wait(self.interval)
+                if self._stop.acquire(True, self._interval):
+                    break
         except BaseException as e:  # the thread must say why it died, never vanish silently
             log.exception("frexporter recorder thread died; this rank's state is no longer published")
             if self._stem and self._write_lock.acquire(timeout=1.0):
                 try:
                     with contextlib.suppress(Exception):
-                        self._write_snapshot({}, state="stopped", message=f"recorder thread died: {e!r}")
+                        self._write_snapshot((), state="stopped", message=f"recorder thread died: {e!r}")
                 finally:
                     self._write_lock.release()
 
     def tick(self) -> None:
         try:
-            # Never import torch ourselves: under `frexporter run` every Python process of the
-            # job (launchers, tools) runs this thread, and only training ranks have torch loaded.
-            dist = sys.modules.get("torch.distributed")
-            # getattr: the module may be mid-import on the main thread.
-            initialized = getattr(dist, "is_initialized", None)
-            if initialized is None or not dist.is_available() or not initialized():
-                return
-            if self._manifest is None:
+            if self._world is None:
+                # Never import torch ourselves: under `frexporter run` every Python process of the
+                # job (launchers, tools) runs this thread, and only training ranks have torch loaded.
+                dist = sys.modules.get("torch.distributed")
+                # getattr: the module may be mid-import on the main thread.
+                initialized = getattr(dist, "is_initialized", None)
+                if initialized is None or not dist.is_available() or not initialized():
+                    return
                 self._identify(dist)
-            count = fr.pg_count()
+            # From here on the PG table's size stands in for is_initialized(), one lookup instead of four:
+            # destroy_process_group() empties it, and a new init_process_group() changes it.
+            count = len(self._pg_names)
+            if not count:
+                self._pg_names = self._world.pg_names  # destroyed; a new init may bring a new table
+                return
             if count != self._pg_count:
                 self._pg_count = count
                 self._write_manifest()
-            status = fr.read_raw_status(self._recorders)
+            assert self._status is not None
+            status = self._status.read()
             with self._write_lock:
                 self._write_snapshot(status)
             # Every few snapshots only: a syscall hands the GIL to the training thread and back.
-            if self._counter % SPOOL_CHECK_EVERY == 0 and (
-                    self._map.gone() or not os.path.exists(self._path(spool.MANIFEST_SUFFIX))):
-                # Someone removed the spool directory (another rank may already have recreated it).
-                self._recreate_spool()
+            if self._counter % SPOOL_CHECK_EVERY == 0:
+                # torch clears its table rather than replacing it (2.13), but a version that replaces it is
+                # noticed here; between checks the dict itself is read (a property call costs more cold).
+                self._pg_names = self._world.pg_names
+                if self._map.gone() or not os.path.exists(self._path(spool.MANIFEST_SUFFIX)):
+                    # Someone removed the spool directory (another rank may already have recreated it).
+                    self._recreate_spool()
         except spool.SpoolError as e:
             self._count_error(e.reason, e)
         except OSError as e:
@@ -160,7 +184,7 @@ class Publisher:
         job_id = self.job_id_hint or default_job_id()
         self._stem = spool.rank_stem(job_id, rank)
         self._map = spool.SnapshotMap(self._path(spool.SNAPSHOT_MAP_SUFFIX))
-        self._recorders = fr.available_recorders()
+        self._status = fr.StatusReader(fr.available_recorders())
         sock_name = ""
         try:
             path = os.path.join(self.directory, spool.socket_name(self._stem))
@@ -184,9 +208,11 @@ class Publisher:
             "gpu_uuid": fr.gpu_uuid(),
             "socket": sock_name,
             "handlers": list(fr.handler_names()),
-            "recorders": list(self._recorders),
+            "recorders": list(self._status.recorders),
             "fr_buffer_size": fr.buffer_size(),
         }
+        self._world = fr.world()  # last: set means identified
+        self._pg_names = self._world.pg_names
 
     def _write_manifest(self) -> None:
         assert self._manifest is not None
@@ -197,39 +223,43 @@ class Publisher:
         self._manifest["generation"] = self._generation
         spool.write_json_atomic(self._path(spool.MANIFEST_SUFFIX), self._manifest)
 
-    def _write_snapshot(self, status: dict[str, bytes], state: str = "running", message: str = "") -> None:
-        """Update the mapped snapshot; ``status`` is torch's JSON per recorder, spliced in unparsed.
+    def _write_snapshot(self, status: tuple[bytes, ...], state: str = "running", message: str = "") -> None:
+        """Update the mapped snapshot; ``status`` is torch's JSON per recorder (in ``StatusReader.recorders``
+        order), spliced in unparsed.
 
-        This runs under the GIL once a second with cold caches, so the parts that rarely change (format,
-        pid, interval, state, errors) are encoded once and reused until one of them changes.
+        This runs under the GIL once a second with cold caches, where each Python operation costs microseconds,
+        so the snapshot is one bytes format whose constant parts (format, pid, interval, state, errors,
+        recorder names) are encoded once and reused until one of them changes.
         """
         self._counter += 1
-        key = (state, message, self._errors_version, self.interval)
-        if key != self._head_key:
-            head = json.dumps({
-                "format": spool.SNAPSHOT_MAP_FORMAT, "pid": self._pid, "interval": self.interval,
-                "errors": self.errors, "state": state, "message": message,
-            }, separators=(",", ":")).encode()
-            self._head, self._head_key = head[:-1], key
-        body = b",".join(_recorder_key(recorder) + raw for recorder, raw in status.items())
-        self._map.write(b'%s,"counter":%d,"time":%r,"status":{%s}}' % (
-            self._head, self._counter, time.time(), body))
+        fmt = self._format
+        if fmt is None or state != "running" or len(status) != self._format_slots:
+            fmt = self._snapshot_format(state, message, len(status))
+            if state == "running":
+                self._format, self._format_slots = fmt, len(status)
+        self._map.write(fmt % (self._counter, time.time_ns(), *status))
+
+    def _snapshot_format(self, state: str, message: str, slots: int) -> bytes:
+        head = json.dumps({
+            "format": spool.SNAPSHOT_MAP_FORMAT, "pid": self._pid, "interval": self._interval,
+            "errors": self.errors, "state": state, "message": message,
+        }, separators=(",", ":")).encode()
+        recorders = self._status.recorders if self._status is not None else ()
+        body = b",".join(json.dumps(recorder).encode().replace(b"%", b"%%") + b":%s"
+                         for recorder in recorders[:slots])
+        # The time as integer nanoseconds with a JSON exponent: integer formatting is cheaper cold than a float's.
+        return head[:-1].replace(b"%", b"%%") + b',"counter":%%d,"time":%%de-9,"status":{%s}}' % body
 
     def _path(self, suffix: str) -> str:
         return os.path.join(self.directory, self._stem + suffix)
 
     def _count_error(self, reason: str, exc: BaseException) -> None:
         self.errors[reason] = self.errors.get(reason, 0) + 1
-        self._errors_version += 1
+        self._format = None  # the snapshot carries the counts
         if reason not in self._logged:
             self._logged.add(reason)
             log.warning("frexporter recorder: %s: %s (further errors of this kind are counted, not logged)",
                         reason, exc)
-
-
-@functools.lru_cache(maxsize=8)
-def _recorder_key(recorder: str) -> bytes:
-    return json.dumps(recorder).encode() + b":"
 
 
 def default_job_id() -> str:
