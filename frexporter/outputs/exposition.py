@@ -53,8 +53,8 @@ def _label_body(labels: dict[str, str], cache: dict[tuple[tuple[str, ...], tuple
     return body
 
 
-def _encode_family(metric: Metric, out: list[str], cache: dict[tuple[tuple[str, ...], tuple[str, ...]], str]
-                   ) -> None:
+def _encode_family(metric: Metric, out: list[str], cache: dict[tuple[tuple[str, ...], tuple[str, ...]], str],
+                   numbers: dict[float, str]) -> None:
     mname, mtype = metric.name, metric.type
     if mtype == "counter":
         mname += "_total"
@@ -64,19 +64,22 @@ def _encode_family(metric: Metric, out: list[str], cache: dict[tuple[tuple[str, 
     escaped = _name(mname)
     out.append(f"# HELP {escaped} {_help(metric.documentation)}\n# TYPE {escaped} {mtype}\n")
     extra: dict[str, list[str]] = {}
+    # Names of samples that the text format moves into families of their own, spelled once per family.
+    moved = {metric.name + suffix: suffix for suffix in _OM_SUFFIXES}
     for s in metric.samples:
-        labels = s.labels
-        if labels:
-            line = f"{_name(s.name)}{{{_label_body(labels, cache)}}} {floatToGoString(s.value)}"
-        else:
-            line = f"{_name(s.name)} {floatToGoString(s.value)}"
+        labels, value = s.labels, s.value
+        # Values repeat a lot (1, -1, bucket counts): format each once per render. Not zeros: 0.0 == -0.0, and
+        # the two are written differently.
+        number = numbers.get(value) if value else None
+        if number is None:
+            number = numbers[value] = floatToGoString(value)
+        line = f"{_name(s.name)}{{{_label_body(labels, cache)}}} {number}" if labels else f"{_name(s.name)} {number}"
         if s.timestamp is not None:
             line += f" {int(float(s.timestamp) * 1000):d}"
         line += "\n"
-        for suffix in _OM_SUFFIXES:
-            if s.name == metric.name + suffix:
-                extra.setdefault(suffix, []).append(line)
-                break
+        suffix = moved.get(s.name)
+        if suffix is not None:
+            extra.setdefault(suffix, []).append(line)
         else:
             out.append(line)
     for suffix, lines in sorted(extra.items()):
@@ -88,8 +91,9 @@ def _encode_family(metric: Metric, out: list[str], cache: dict[tuple[tuple[str, 
 def encode_families(families: Iterable[Metric]) -> bytes:
     out: list[str] = []
     cache: dict[tuple[tuple[str, ...], tuple[str, ...]], str] = {}
+    numbers: dict[float, str] = {}
     for metric in families:
-        _encode_family(metric, out, cache)
+        _encode_family(metric, out, cache, numbers)
     return "".join(out).encode("utf-8")
 
 
