@@ -8,9 +8,11 @@ resolve 0.5 %. The recorder only touches training through these channels, each m
 gloo rank (world 1, small all_reduces back to back, FR on, recorder installed):
 
 1. The GIL its snapshot thread takes: the main thread spins in Python (it wants the GIL all the time)
-   and records every gap between its iterations; the gaps inside a snapshot are the GIL the recorder's
-   thread held, hand-offs included. The parts alone (reading torch's status, updating the mapped file) are
-   timed too.
+   and records every gap between its iterations. Printed: the gaps inside the tick (the GIL the recorder's
+   thread held); the gaps in the tick's window padded by 0.5 ms each side (the hand-offs too: the busy thread
+   waits while the GIL travels to the waking thread and back); and the same padded figure for a thread that
+   wakes the same way and does nothing, the floor any Python thread costs on this machine. The parts alone
+   (reading torch's status, updating the mapped file) are timed too, back to back with warm caches.
 2. The CPU its snapshot thread uses (GIL or not): it matters only on a node whose cores are all busy.
 3. A deep read by the exporter (its ``fr_trace_json`` request, answered by torch's C++ worker server
    without the GIL, every ``deep_interval`` = 15 s on a busy job): the rank's CPU to answer it, and the
@@ -75,11 +77,10 @@ interval, pub.interval = pub.interval, 0.1
 noop_spans, noop_stop = [], threading.Lock()
 noop_stop.acquire()
 def noop():
-    time.sleep(0.05)  # out of phase with the snapshots
     while True:
         a = time.perf_counter()
         noop_spans.append((a, time.perf_counter()))
-        if noop_stop.acquire(True, 0.1):
+        if noop_stop.acquire(True, 0.1137):  # a period of its own: the two drift through each other quickly
             break
 noop_thread = threading.Thread(target=noop, daemon=True)
 noop_thread.start()
