@@ -292,13 +292,14 @@ def analyse(result: dict, reads: list[tuple[int, int]], rank_cpu: list[float], c
 
 def print_report(r: dict[str, float], args: argparse.Namespace) -> None:
     print(f"training loop: {r['steps']} all_reduces, median {r['all_reduce_median_us']:.1f} us")
-    print(f"1. GIL taken per snapshot from a Python-busy thread: {r['snapshot_gil_us']:.1f} us (budget < 200 us): "
-          f"median {r['snapshot_gil_raw_us']:.1f} us of gaps during a snapshot (p90 "
-          f"{r['snapshot_gil_p90_us']:.1f}) less {r['snapshot_gil_control_us']:.1f} us in the same length without "
-          f"one, over {r['snapshot_gil_probed']} snapshots;")
-    print(f"   of which a thread that wakes and does nothing takes {r['wakeup_gil_floor_us']:.1f} us (the GIL hand-off "
-          f"to any Python thread and back, {r['wakeups_probed']} wake-ups): the snapshot's own share "
-          f"{r['snapshot_gil_beyond_floor_us']:.1f} us; inside the tick itself {r['snapshot_gil_held_us']:.1f} us;")
+    print(f"1. GIL held per snapshot (inside the tick): {r['snapshot_gil_held_us']:.1f} us (budget < 200 us), median "
+          f"over {r['snapshot_gil_probed']} snapshots;")
+    print(f"   taken from a Python-busy thread, hand-offs included: {r['snapshot_gil_us']:.1f} us (median "
+          f"{r['snapshot_gil_raw_us']:.1f} us of gaps in the padded window, p90 {r['snapshot_gil_p90_us']:.1f}, less "
+          f"{r['snapshot_gil_control_us']:.1f} us in the same length without one);")
+    print(f"   a thread that wakes the same way and does nothing takes {r['wakeup_gil_floor_us']:.1f} us of that "
+          f"({r['wakeups_probed']} wake-ups: the GIL hand-off to any Python thread and back), leaving "
+          f"{r['snapshot_gil_beyond_floor_us']:.1f} us to the snapshot;")
     print(f"   the snapshot's parts alone (thread CPU, no other thread): {r['snapshot_gil_python_parts_us']:.1f} us")
     print(f"2. snapshot thread CPU:          {r['snapshot_thread_cpu_us']:8.1f} us per snapshot "
           f"(median of {r['snapshots_timed']}; syscalls included)")
