@@ -51,7 +51,6 @@ class Publisher:
         self._pg_names: Any = None  # self._world.pg_names, refreshed every SPOOL_CHECK_EVERY snapshots
         self._map = spool.SnapshotMap("")  # the real one once the rank is known (_identify)
         self._format: bytes | None = None  # the snapshot's bytes format while running (_snapshot_format)
-        self._format_slots = 0
         self._pid = os.getpid()
         self._write_lock = threading.Lock()
         self.start_time = time.time()
@@ -233,10 +232,10 @@ class Publisher:
         """
         self._counter += 1
         fmt = self._format
-        if fmt is None or state != "running" or len(status) != self._format_slots:
+        if fmt is None or state != "running":  # running snapshots carry every recorder; last words carry none
             fmt = self._snapshot_format(state, message, len(status))
             if state == "running":
-                self._format, self._format_slots = fmt, len(status)
+                self._format = fmt
         self._map.write(fmt % (self._counter, time.time_ns(), *status))
 
     def _snapshot_format(self, state: str, message: str, slots: int) -> bytes:
