@@ -24,7 +24,7 @@ import stat
 import struct
 import tempfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,22 +330,40 @@ class SnapshotMap:
         self._mm: mmap.mmap | None = None
         self._seq = 0
         self._ino = -1
+        self._update: Callable[[bytes], bool] = _no_mapping
 
     def write(self, payload: bytes) -> None:
-        mm = self._mm
-        if mm is None or MAP_HEADER_BYTES + len(payload) > len(mm):
+        if not self._update(payload):
             self._grow(payload)
-            return
-        # The update in place, inline: it runs under the GIL once a second from cold caches, where a call
-        # costs microseconds. An odd sequence marks it in progress. Each field is stored on its own, in this
-        # order: struct.pack_into zeroes its whole span before it fills it in, and a zeroed sequence reads as
-        # even, so the length and checksum must never be zeroed while the sequence is.
-        seq = self._seq + 1
-        _MAP_SEQ.pack_into(mm, 8, seq)
-        _MAP_LENGTH_CRC.pack_into(mm, 16, len(payload), zlib.crc32(payload))
-        mm[MAP_HEADER_BYTES:MAP_HEADER_BYTES + len(payload)] = payload
-        self._seq = seq = seq + 1
-        _MAP_SEQ.pack_into(mm, 8, seq)
+
+    def updater(self) -> Callable[[bytes], bool]:
+        """The in-place update of the current mapping as one function with its constants bound, for a caller
+        that updates once a second from cold caches (where every lookup and call costs microseconds).
+        ``update(payload)`` writes nothing and is False when the payload does not fit or the mapping has been
+        closed or replaced since: ``write`` then makes the file anew, and a new updater is due."""
+        return self._update
+
+    def _bind(self, mm: mmap.mmap) -> Callable[[bytes], bool]:
+        capacity = len(mm) - MAP_HEADER_BYTES
+        start = MAP_HEADER_BYTES
+        pack_seq, pack_length_crc, crc32 = _MAP_SEQ.pack_into, _MAP_LENGTH_CRC.pack_into, zlib.crc32
+
+        def update(payload: bytes) -> bool:
+            size = len(payload)
+            if size > capacity or self._mm is not mm:
+                return False
+            # An odd sequence marks the update in progress. Each field is stored on its own, in this order:
+            # struct.pack_into zeroes its whole span before it fills it in, and a zeroed sequence reads as
+            # even, so the length and checksum must never be zeroed while the sequence is.
+            seq = self._seq + 1
+            pack_seq(mm, 8, seq)
+            pack_length_crc(mm, 16, size, crc32(payload))
+            mm[start:start + size] = payload
+            self._seq = seq = seq + 1
+            pack_seq(mm, 8, seq)
+            return True
+
+        return update
 
     def _grow(self, payload: bytes) -> None:
         need = MAP_HEADER_BYTES + len(payload)
@@ -366,6 +384,7 @@ class SnapshotMap:
             return True
 
     def close(self) -> None:
+        self._update = _no_mapping
         if self._mm is not None:
             with contextlib.suppress(Exception):
                 self._mm.close()
@@ -393,6 +412,11 @@ class SnapshotMap:
             raise
         self.close()
         self._mm, self._ino = mm, ino
+        self._update = self._bind(mm)
+
+
+def _no_mapping(payload: bytes) -> bool:
+    return False
 
 
 def read_snapshot_map(path: str, max_bytes: int = MAX_SNAPSHOT_BYTES) -> Any:

@@ -42,6 +42,32 @@ def test_round_trip_private_file_and_no_temporary_left(tmp_path: Path) -> None:
         writer.close()
 
 
+def test_a_bound_updater_writes_in_place_until_its_mapping_is_replaced_or_closed(tmp_path: Path) -> None:
+    # The recorder binds the in-place update once and calls it every snapshot; it must refuse (and write
+    # nothing) once the file it was bound to has grown into a new mapping or been closed.
+    path = tmp_path / ("j.r0" + spool.SNAPSHOT_MAP_SUFFIX)
+    writer = write(path, doc(counter=1))
+    try:
+        update = writer.updater()
+        assert update(json.dumps(doc(counter=2)).encode())
+        assert spool.read_snapshot_map(str(path))["counter"] == 2
+        too_big = json.dumps(doc(counter=3, message="m" * spool.MAP_INITIAL_CAPACITY)).encode()
+        assert not update(too_big)
+        assert spool.read_snapshot_map(str(path))["counter"] == 2
+        writer.write(too_big)  # grows: a new file and mapping
+        assert not update(json.dumps(doc(counter=4)).encode())
+        assert spool.read_snapshot_map(str(path))["counter"] == 3
+        update = writer.updater()
+        assert update(json.dumps(doc(counter=5)).encode())
+        assert spool.read_snapshot_map(str(path))["counter"] == 5
+        writer.close()
+        assert not update(json.dumps(doc(counter=6)).encode())
+        assert not writer.updater()(json.dumps(doc(counter=6)).encode())
+        assert spool.read_snapshot_map(str(path))["counter"] == 5
+    finally:
+        writer.close()
+
+
 def test_a_snapshot_larger_than_the_file_grows_it(tmp_path: Path) -> None:
     path = tmp_path / ("j.r0" + spool.SNAPSHOT_MAP_SUFFIX)
     writer = write(path, doc())

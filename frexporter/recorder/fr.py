@@ -71,15 +71,27 @@ class StatusReader:
         out = []
         for dump in self._dumpers:
             raw = dump(False)  # includeCollectives=False: pg_status and pg_config only
-            if type(raw) is not bytes:
-                raw = raw.encode() if isinstance(raw, str) else bytes(raw)
             if raw[:1] != b"{" or raw[-1:] != b"}":
-                raw = raw.strip()
-                if raw[:1] != b"{" or raw[-1:] != b"}":
-                    # Spliced in unparsed: anything but an object would make the whole snapshot unreadable.
-                    raise ValueError(f"torch's status is not a JSON object ({raw[:40]!r})")
+                raw = checked_status(raw)
             out.append(raw)
         return tuple(out)
+
+    @property
+    def dumpers(self) -> tuple[Any, ...]:
+        """torch's status functions, in ``recorders`` order: call ``dump(False)``, and pass what does not
+        look like a JSON object through ``checked_status``."""
+        return self._dumpers
+
+
+def checked_status(raw: Any) -> bytes:
+    """torch's status as bytes of one JSON object, or ValueError: it is spliced into the snapshot unparsed,
+    and anything but an object would make the whole snapshot unreadable."""
+    if type(raw) is not bytes:
+        raw = raw.encode() if isinstance(raw, str) else bytes(raw)
+    raw = raw.strip()
+    if raw[:1] != b"{" or raw[-1:] != b"}":
+        raise ValueError(f"torch's status is not a JSON object ({raw[:40]!r})")
+    return raw
 
 
 def handler_names() -> tuple[str, ...]:
