@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -104,6 +105,7 @@ def measure(ranks: int, pgs: int, gpus: int, seconds: float, fresh_scrapes: int 
         app.stop()
         writer.kill()
         writer.wait()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def main() -> None:

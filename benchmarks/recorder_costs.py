@@ -192,12 +192,16 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    with tempfile.TemporaryDirectory(prefix="frexporter-costs-") as tmp:
+        run(args, Path(tmp))
+
+
+def run(args: argparse.Namespace, workdir: Path) -> None:
     from frexporter.sources import worker_client
     from frexporter.sources.ranks import DEEP_HANDLERS
     from frexporter.spool import RECORDER_FR
 
     handler, query = DEEP_HANDLERS[RECORDER_FR]
-    workdir = Path(tempfile.mkdtemp(prefix="frexporter-costs-"))
     spool_dir = workdir / "spool"
     out = workdir / "rank.json"
     env = {**os.environ, "FREXPORTER_DIR": str(spool_dir), "FREXPORTER_SNAPSHOT_INTERVAL": str(args.interval),
@@ -346,7 +350,9 @@ def analyse(result: dict, ticked: array, loop: array, reads: list[tuple[int, int
     # (the server's and the client's work keep the second vCPU out of its halt state, and the loop's
     # cross-thread wake-ups get faster), so the lock stall it surely causes stands in as a floor.
     stall = max(0.0, longest_during - longest_control) * 1e3  # us
-    deep_cost, deep_cost_hi = max(deep["mean_us"], stall), max(deep["ci95_us"][1], stall)
+    # (No estimate at all when the windows are longer than half the spacing of reads: nan, the stall alone.)
+    deep_cost = stall if math.isnan(deep["mean_us"]) else max(deep["mean_us"], stall)
+    deep_cost_hi = stall if math.isnan(deep["mean_us"]) else max(deep["ci95_us"][1], stall)
     slower = per_second(max(0.0, snapshot["mean_us"]), deep_cost)
     slower_hi = per_second(max(0.0, snapshot["ci95_us"][1]), deep_cost_hi)
     cores = tick_cpu * 1e-6 / args.interval + deep_cpu * 1e-3 / args.deep_interval

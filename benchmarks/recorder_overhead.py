@@ -88,12 +88,12 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=1.0, help="recorder snapshot interval (default 1 s)")
     parser.add_argument("--world", type=int, default=2, help="ranks per job (1 needs a single core)")
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="frexporter-overhead-"))
     a_steps, b_steps, ticks, parts = [], [], [], []
     a_cpu, b_cpu = [], []
     for i in range(args.pairs):
         for mode in ("A", "B") if i % 2 == 0 else ("B", "A"):
-            result = run(mode, args.steps, workdir, args.interval, args.world)
+            with tempfile.TemporaryDirectory(prefix="frexporter-overhead-") as workdir:
+                result = run(mode, args.steps, Path(workdir), args.interval, args.world)
             (a_steps if mode == "A" else b_steps).append(result["step_us"])
             (a_cpu if mode == "A" else b_cpu).append(result["cpu_us"])
             ticks.extend(result["ticks"])

@@ -78,7 +78,7 @@ class Publisher:
                 self._closed = True
                 with contextlib.suppress(Exception):  # at exit the disk may be full or the dir gone
                     self._write_snapshot((), state=state, message="process exiting")
-                    self._map.close()
+                self._map.close()  # a snapshot still under way finds its mapping gone and writes nothing
             finally:
                 self._write_lock.release()
         if self._server is not None:
@@ -173,7 +173,7 @@ class Publisher:
         """The steady state's whole tick as one function over bound locals.
 
         It runs under the GIL once a second from cold caches, where each attribute lookup, method call and
-        frame costs microseconds (the three-method path it replaces took ~35 us more per snapshot here). It
+        frame costs microseconds (the three-method path it replaces took ~14 us more per snapshot here). It
         is True when it published; False, having published nothing, when the slow path must run instead
         (the PG table changed, the mapped file must be made anew), and it is bound again after that.
         """
