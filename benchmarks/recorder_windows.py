@@ -42,6 +42,7 @@ from benchmarks._recorder_common import free_port
 
 RANK = r"""
 import json, os, sys, threading, time
+NOOP = sys.argv[7] == "noop"  # B wakes on the recorder's schedule and does nothing: the price of waking alone
 rank, port, world, groups, window_s, calib_s = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
                                                  int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))
 os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
@@ -59,7 +60,8 @@ def gated_tick():
         gate.wait()
         return
     ticks[arm[0]] += 1
-    original()
+    if not NOOP:
+        original()
 pub.tick = gated_tick
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -140,6 +142,8 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=1.0, help="recorder snapshot interval")
     parser.add_argument("--deep-every", type=float, default=15.0,
                         help="seconds of B time between deep reads of every rank (0: none)")
+    parser.add_argument("--noop", action="store_true",
+                        help="B's thread wakes on the same schedule but takes no snapshot: what waking alone costs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -149,7 +153,7 @@ def main() -> None:
            "FREXPORTER_JOB_ID": "windows", "PYTHONPATH": str(Path(__file__).parent.parent),
            "OMP_NUM_THREADS": "1"}
     port = str(free_port())
-    argv = [str(args.world), str(args.groups), str(args.window), "3"]
+    argv = [str(args.world), str(args.groups), str(args.window), "3", "noop" if args.noop else "snapshot"]
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), port, *argv], env=env,
                               stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True)
              for r in range(args.world)]
