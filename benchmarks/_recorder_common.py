@@ -1,4 +1,5 @@
-"""Pieces the recorder benchmarks share: a free port for a gloo job, and the snapshot's GIL-holding parts.
+"""Pieces the recorder benchmarks share: a free port for a gloo job, a t quantile, and the snapshot's
+GIL-holding parts.
 
 ``snapshot_gil_parts`` runs inside a rank (the benchmarks' rank scripts import it; the repository root is on
 their PYTHONPATH).
@@ -16,6 +17,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def t_quantile_975(df: int) -> float:
+    # Two-sided 95 % Student t; close enough beyond the table.
+    table = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+             15: 2.13, 20: 2.09, 30: 2.04, 40: 2.02, 60: 2.00}
+    for k in sorted(table):
+        if df <= k:
+            return table[k]
+    return 1.96
 
 
 def _thread_cpu_us(fn: Callable[[], object], n: int = 500) -> float:

@@ -44,7 +44,7 @@ from array import array
 from bisect import bisect_left
 from pathlib import Path
 
-from benchmarks._recorder_common import free_port
+from benchmarks._recorder_common import free_port, t_quantile_975
 
 RANK = r"""
 import json, os, sys, threading, time
@@ -266,12 +266,6 @@ def load_starts(path: Path) -> array:
     return starts
 
 
-def t_quantile_975(df: int) -> float:
-    # Two-sided 95 % Student t; the normal quantile beyond 60 degrees of freedom.
-    table = ((1, 12.71), (2, 4.30), (3, 3.18), (5, 2.57), (10, 2.23), (20, 2.09), (30, 2.04), (60, 2.00))
-    return next((q for k, q in table if df <= k), 1.96)
-
-
 def lost_time(starts: array, events: list[tuple[int, int]], before: int, after: int,
               shift: int) -> dict[str, float]:
     """Training time lost around each event (a snapshot, a deep read), by wall clock.
@@ -325,8 +319,8 @@ def analyse(result: dict, ticked: array, loop: array, reads: list[tuple[int, int
     before, after = int(args.pad_before * 1e6), int(args.pad_after * 1e6)
     snapshot = lost_time(ticked, [tuple(s) for s in result["tick_spans"]], before, after,
                          int(args.tick_interval * 1e9 / 2))
-    deep = lost_time(loop, reads, before, after, int(args.deep_every * 1e9 / 2))
     shift = int(args.deep_every * 1e9 / 2)
+    deep = lost_time(loop, reads, before, after, shift)
     read_windows = [(a - before, b + after) for a, b in reads]
     longest_during = longest_step(loop, read_windows)
     longest_control = longest_step(loop, [(lo + shift, hi + shift) for lo, hi in read_windows[:-1]])

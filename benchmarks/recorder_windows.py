@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._recorder_common import free_port
+from benchmarks._recorder_common import free_port, t_quantile_975
 
 RANK = r"""
 import json, os, sys, threading, time
@@ -122,16 +122,6 @@ def deep_read_all(spool: Path, timeout: float) -> float:
     for sock in sorted(glob.glob(str(spool / "*.sock"))):
         worker_client.post_json(sock, handler, timeout, query)
     return time.perf_counter() - begin
-
-
-def t_quantile_975(df: int) -> float:
-    # Two-sided 95 % Student t; close enough beyond the table.
-    table = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
-             15: 2.13, 20: 2.09, 30: 2.04, 40: 2.02, 60: 2.00}
-    for k in sorted(table):
-        if df <= k:
-            return table[k]
-    return 1.96
 
 
 def main() -> None:
@@ -231,8 +221,8 @@ def main() -> None:
         # here; it scales with their rate, so divide it back down to one snapshot a second.
         rate = report["snapshots_per_b_second"]
         wall = measures["wall time"]
-        for name, key in (("mean", "ratio_mean"), ("median", "ratio_median")):
-            mid, (lo, hi) = wall[key], wall[key.replace("ratio_mean", "ratio") + "_ci95"]
+        for name, key, ci in (("mean", "ratio_mean", "ratio_ci95"), ("median", "ratio_median", "ratio_median_ci95")):
+            mid, (lo, hi) = wall[key], wall[ci]
             print(f"{name} scaled from {rate:.1f} snapshots per second of B to one per second: "
                   f"{(mid - 1) / rate * 100:+.4f}% [{(lo - 1) / rate * 100:+.4f}, {(hi - 1) / rate * 100:+.4f}] "
                   f"(wall time lost per snapshot {(mid - 1) / rate * 1e3:.2f} ms)")

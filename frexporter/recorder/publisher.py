@@ -196,7 +196,7 @@ class Publisher:
             else:
                 payload = fmt % (n, time_ns(), *read())
             with lock:
-                if self._closed or not update(payload):
+                if not update(payload):  # also after stop(): it closes the map under this lock
                     return False
                 self._counter = n
             # Every few snapshots only: a syscall hands the GIL to the training thread and back.
