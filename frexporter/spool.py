@@ -41,6 +41,9 @@ EVIDENCE_DIRNAME = "evidence"  # the exporter's default evidence location inside
 
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 MAX_SNAPSHOT_BYTES = 1024 * 1024
+# The recorder's snapshot interval unless FREXPORTER_SNAPSHOT_INTERVAL says otherwise; the exporter assumes it
+# for a rank that has written its manifest but not yet its first snapshot (which states its own interval).
+DEFAULT_SNAPSHOT_INTERVAL = 1.0
 # Private mode (the default): one uid runs the ranks and the exporter.
 DIR_MODE = 0o700
 FILE_MODE = 0o600

@@ -101,7 +101,7 @@ def _fr_on_by_default() -> bool:
 
 def _interval() -> float:
     try:
-        value = float(os.environ.get("FREXPORTER_SNAPSHOT_INTERVAL", "1.0"))
+        value = float(os.environ.get("FREXPORTER_SNAPSHOT_INTERVAL", spool.DEFAULT_SNAPSHOT_INTERVAL))
     except ValueError:
-        return 1.0
+        return spool.DEFAULT_SNAPSHOT_INTERVAL
     return min(max(value, 0.05), 60.0)

@@ -205,7 +205,10 @@ class RanksSource:
                 if track is not None:
                     log.info("rank %d of job %s restarted (pid %d -> %d); state reset",
                              manifest.rank, manifest.job_id, track.manifest.pid, manifest.pid)
-                self._ranks[stem] = _RankTrack(stem=stem, manifest=manifest, manifest_sig=sig)
+                # Until its first snapshot, a rank counts as fresh from when it wrote its manifest: the
+                # recorder writes both in one tick, and a rank caught between the two is starting, not wedged.
+                born = self.monotonic() - max(0.0, self.clock() - sig.mtime_ns / 1e9)
+                self._ranks[stem] = _RankTrack(stem=stem, manifest=manifest, manifest_sig=sig, last_fresh=born)
             else:
                 track.manifest = manifest
                 track.manifest_sig = sig
@@ -259,9 +262,10 @@ class RanksSource:
 
     def _stale(self, track: _RankTrack, mono: float) -> bool:
         snap = track.snapshot
-        if snap is None or track.last_fresh is None:
+        if track.last_fresh is None:
             return True
-        allowed = max(3 * snap.interval, 1.0) + self.config.poll_interval
+        interval = snap.interval if snap is not None else spool.DEFAULT_SNAPSHOT_INTERVAL
+        allowed = max(3 * interval, 1.0) + self.config.poll_interval
         return mono - track.last_fresh > allowed
 
     def _schedule_socket_work(self, mono: float) -> None:
