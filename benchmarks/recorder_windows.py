@@ -20,6 +20,11 @@ that a linear drift cancels within each group:
 Ranks switch at the same step index (gloo couples them); rank 0 times each window and tells this
 process the current arm over a pipe. The result is the mean of the per-group B/A ratios with a 95 %
 confidence interval over groups, against the 0.5 % budget.
+
+On this kind of shared VM one run's answer moves with the VM's state more than its interval says, so
+``--runs N`` repeats the whole measurement in fresh jobs and pools them (random effects: the between-run
+spread widens the pooled interval). ``--cpus 1`` runs the job on one CPU, which keeps the VM's cross-CPU
+wake-ups (a halted vCPU woken by an IPI) out of what is measured.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks._recorder_common import free_port, t_quantile_975
 
@@ -134,9 +140,31 @@ def main() -> None:
                         help="seconds of B time between deep reads of every rank (0: none)")
     parser.add_argument("--noop", action="store_true",
                         help="B's thread wakes on the same schedule but takes no snapshot: what waking alone costs")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="whole measurements, each in a fresh job; more than one adds a pooled estimate")
+    parser.add_argument("--cpus", default="",
+                        help="run the job on these CPUs only (e.g. 1 or 0-3, as taskset): keeps the VM's "
+                             "cross-CPU wake-ups out of the measurement")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    reports = []
+    for run in range(args.runs):
+        if args.runs > 1:
+            print(f"run {run + 1}/{args.runs}", file=sys.stderr, flush=True)
+        report = measure(args)
+        reports.append(report)
+        if not args.json:
+            print_report(args, report)
+    pooled = pool([r["overhead_pct"] for r in reports]) if args.runs > 1 else None
+    if args.json:
+        print(json.dumps({"runs": reports, "pooled": pooled}, indent=1))
+    elif pooled is not None:
+        print_pooled(reports, pooled)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One fresh job, ``--groups`` ABBA groups: the report of ``print_report``."""
     workdir = Path(tempfile.mkdtemp(prefix="frexporter-windows-"))
     spool = workdir / "spool"
     env = {**os.environ, "FREXPORTER_DIR": str(spool), "FREXPORTER_SNAPSHOT_INTERVAL": str(args.interval),
@@ -144,8 +172,10 @@ def main() -> None:
            "OMP_NUM_THREADS": "1"}
     port = str(free_port())
     argv = [str(args.world), str(args.groups), str(args.window), "3", "noop" if args.noop else "snapshot"]
+    cpus = parse_cpus(args.cpus)
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), port, *argv], env=env,
-                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True)
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True,
+                              preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
              for r in range(args.world)]
     leader = procs[0]
     assert leader.stdout is not None
@@ -185,20 +215,34 @@ def main() -> None:
 
     measures = {name: compare(result[key]["A"], result[key]["B"], args.groups) for name, key in MEASURES}
     b_seconds = sum(result["times"]["B"]) * result["steps_per_window"] / 1e6
-    report = {
+    rate = result["ticks"]["B"] / b_seconds if b_seconds else 0.0
+    # Snapshots taken faster than the default (--interval below 1 s) make their cost big enough to resolve
+    # here; it scales with their rate, so it is divided back down to one snapshot a second.
+    scale = rate if not deep_reads and rate > 1.5 else 1.0
+    wall = measures["wall time"]
+    return {
         "world": args.world,
         "groups": args.groups,
+        "cpus": sorted(cpus),
         "steps_per_window": result["steps_per_window"],
         **measures,
         "snapshots_rank0": result["ticks"],
-        "snapshots_per_b_second": result["ticks"]["B"] / b_seconds if b_seconds else 0.0,
+        "snapshots_per_b_second": rate,
         "deep_reads": len(deep_reads),
         "deep_read_ms_median": statistics.median(deep_reads) * 1e3 if deep_reads else None,
+        "scaled_from": scale if scale != 1.0 else None,
+        # Slower by this much, in %, at one snapshot a second when scaled (else as run): mean and 95 % interval.
+        "overhead_pct": [(wall["ratio_mean"] - 1) / scale * 100, *((x - 1) / scale * 100 for x in wall["ratio_ci95"])],
+        "median_overhead_pct": [(wall["ratio_median"] - 1) / scale * 100,
+                                *((x - 1) / scale * 100 for x in wall["ratio_median_ci95"])],
     }
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return
-    print(f"{args.groups} ABBA groups of {result['steps_per_window']} all_reduces per window, world {args.world}")
+
+
+def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    measures = {name: report[name] for name, _ in MEASURES}
+    pinned = f", CPUs {','.join(map(str, report['cpus']))}" if report["cpus"] else ""
+    print(f"{args.groups} ABBA groups of {report['steps_per_window']} all_reduces per window, world {args.world}"
+          f"{pinned}")
     print(f"{'per all_reduce, rank 0':34} {'A: FR alone':>12} {'B: +recorder':>12} {'B/A mean':>9} "
           f"{'95% CI':>17} {'B/A median':>10} {'95% CI':>17} {'spread A':>9}")
     for name, m in measures.items():
@@ -207,25 +251,66 @@ def main() -> None:
         print(f"{name:34} {m['a_median_us']:10.2f}us {m['b_median_us']:10.2f}us {m['ratio_mean']:9.4f} "
               f"[{lo:.4f}, {hi:.4f}] {m['ratio_median']:10.4f} [{mlo:.4f}, {mhi:.4f}] "
               f"{m['window_spread_a_pct']:8.1f}%")
-    print(f"snapshots: rank 0 took {result['ticks']['B']} in B windows "
-          f"({report['snapshots_per_b_second']:.2f} per second of B), {result['ticks']['A']} in A")
-    if deep_reads:
-        print(f"deep reads: {len(deep_reads)} of all {args.world} ranks, median "
+    ticks = report["snapshots_rank0"]
+    print(f"snapshots: rank 0 took {ticks['B']} in B windows "
+          f"({report['snapshots_per_b_second']:.2f} per second of B), {ticks['A']} in A")
+    if report["deep_reads"]:
+        print(f"deep reads: {report['deep_reads']} of all {args.world} ranks, median "
               f"{report['deep_read_ms_median']:.1f} ms each (client side, incl. JSON parsing)")
-    hi = measures["wall time"]["ratio_ci95"][1]
-    verdict = "within" if hi < 1.005 else "NOT shown within"
-    print(f"wall-time overhead: {(measures['wall time']['ratio_mean'] - 1) * 100:+.3f}% "
+    wall = measures["wall time"]
+    verdict = "within" if wall["ratio_ci95"][1] < 1.005 else "NOT shown within"
+    print(f"wall-time overhead: {(wall['ratio_mean'] - 1) * 100:+.3f}% "
           f"({verdict} the 0.5% budget at 95% confidence)")
-    if not deep_reads and report["snapshots_per_b_second"] > 1.5:
-        # Snapshots taken faster than the default (--interval below 1 s) make their cost big enough to resolve
-        # here; it scales with their rate, so divide it back down to one snapshot a second.
-        rate = report["snapshots_per_b_second"]
-        wall = measures["wall time"]
-        for name, key, ci in (("mean", "ratio_mean", "ratio_ci95"), ("median", "ratio_median", "ratio_median_ci95")):
-            mid, (lo, hi) = wall[key], wall[ci]
+    rate = report["scaled_from"]
+    if rate is not None:
+        for name, key in (("mean", "overhead_pct"), ("median", "median_overhead_pct")):
+            mid, lo, hi = report[key]
             print(f"{name} scaled from {rate:.1f} snapshots per second of B to one per second: "
-                  f"{(mid - 1) / rate * 100:+.4f}% [{(lo - 1) / rate * 100:+.4f}, {(hi - 1) / rate * 100:+.4f}] "
-                  f"(wall time lost per snapshot {(mid - 1) / rate * 1e3:.2f} ms)")
+                  f"{mid:+.4f}% [{lo:+.4f}, {hi:+.4f}] (wall time lost per snapshot {mid * 10:.2f} ms)")
+
+
+def pool(estimates: list[list[float]]) -> dict[str, float]:
+    """Random-effects pooled mean (DerSimonian-Laird) of per-run estimates ``[mean, low, high]`` (95 %).
+
+    Runs differ by more than their own intervals allow (the VM's speed and noise move between runs), so the
+    between-run variance ``tau`` widens the pooled interval instead of being ignored; ``predicted`` is where
+    one more run's true value would fall (95 %).
+    """
+    k = len(estimates)
+    means = [m for m, _, _ in estimates]
+    var = [((hi - lo) / (2 * 1.96)) ** 2 or 1e-12 for _, lo, hi in estimates]
+    w = [1 / v for v in var]
+    fixed = sum(wi * m for wi, m in zip(w, means, strict=True)) / sum(w)
+    q = sum(wi * (m - fixed) ** 2 for wi, m in zip(w, means, strict=True))
+    c = sum(w) - sum(wi * wi for wi in w) / sum(w)
+    tau2 = max(0.0, (q - (k - 1)) / c) if c > 0 else 0.0
+    wr = [1 / (v + tau2) for v in var]
+    mean = sum(wi * m for wi, m in zip(wr, means, strict=True)) / sum(wr)
+    se = math.sqrt(1 / sum(wr))
+    t = t_quantile_975(max(1, k - 2))  # the usual prediction interval: t with k - 2 degrees of freedom
+    spread = t * math.sqrt(tau2 + se * se)
+    return {"mean": mean, "low": mean - 1.96 * se, "high": mean + 1.96 * se, "tau": math.sqrt(tau2),
+            "predicted_low": mean - spread, "predicted_high": mean + spread, "runs": k}
+
+
+def print_pooled(reports: list[dict[str, Any]], pooled: dict[str, float]) -> None:
+    within = sum(1 for r in reports if r["overhead_pct"][2] < 0.5)
+    scaled = " at one snapshot a second" if all(r["scaled_from"] for r in reports) else ""
+    print(f"\n{pooled['runs']} runs{scaled}: " + ", ".join(
+        f"{m:+.3f}% [{lo:+.3f}, {hi:+.3f}]" for m, lo, hi in (r["overhead_pct"] for r in reports)))
+    print(f"pooled (random effects): {pooled['mean']:+.3f}% [{pooled['low']:+.3f}, {pooled['high']:+.3f}], "
+          f"between-run sd {pooled['tau']:.3f}%; one more run: [{pooled['predicted_low']:+.3f}, "
+          f"{pooled['predicted_high']:+.3f}]; {within} of {pooled['runs']} runs within the 0.5% budget alone")
+    verdict = "within" if pooled["high"] < 0.5 else "NOT shown within"
+    print(f"pooled overhead {verdict} the 0.5% budget at 95% confidence")
+
+
+def parse_cpus(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 MEASURES = (("wall time", "times"), ("main-thread CPU", "main_cpu"), ("process CPU (all threads)", "proc_cpu"))
