@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 
 from frexporter import __version__, spool
+from frexporter.sources.ranks import DEFAULT_DEEP_INTERVAL
 
 DEFAULT_LISTEN = ":9477"
 DEFAULT_POLL_INTERVAL = 1.0
@@ -32,13 +34,27 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host, port_num
 
 
-def _positive(value: str) -> float:
+def _seconds(value: str) -> float:
     try:
         number = float(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from e
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a finite number")
+    return number
+
+
+def _positive(value: str) -> float:
+    number = _seconds(value)
     if number <= 0:
         raise argparse.ArgumentTypeError(f"{value!r} must be > 0")
+    return number
+
+
+def _non_negative(value: str) -> float:
+    number = _seconds(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be >= 0")
     return number
 
 
@@ -67,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default {DEFAULT_STUCK_AFTER:.0f})")
     serve.add_argument("--rank-timeout", type=_positive, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                        help=f"longest one rank's socket may take per poll (default {DEFAULT_RANK_TIMEOUT})")
+    serve.add_argument("--deep-interval", type=_non_negative, default=DEFAULT_DEEP_INTERVAL, metavar="SECONDS",
+                       help="least time between routine reads of a busy rank's Flight Recorder ring over its "
+                            "socket, which feed collective bytes, durations and straggler scores; work that "
+                            "stops moving is read at once whatever this says. Each read of a full ring costs "
+                            f"the rank ~20 ms of CPU in torch's worker server (default {DEFAULT_DEEP_INTERVAL:g})")
     serve.add_argument("--no-nvml", action="store_true", help="do not read GPU state from NVML")
     serve.add_argument("--evidence-dir", default=None, metavar="DIR",
                        help="where evidence bundles go when a verdict appears (default: <spool>/evidence; "
@@ -165,6 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(directory=directory, host=host, port=port, poll_interval=args.poll_interval,
                         stuck_after=args.stuck_after, rank_timeout=args.rank_timeout, nvml=not args.no_nvml,
+                        deep_interval=args.deep_interval,
                         otlp_endpoint=args.otlp_endpoint, otlp_interval=args.otlp_interval,
                         otlp_protocol=args.otlp_protocol, evidence_dir=args.evidence_dir,
                         evidence_stacks=args.evidence_stacks, web_config=web_config,

@@ -15,7 +15,7 @@ import pytest
 
 from frexporter import naming as n
 from tests import spoolgen
-from tests.harness import REPO, WORKER, free_port, metrics, sample, wait_for
+from tests.harness import REPO, WORKER, Job, free_port, metrics, sample, wait_for
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
@@ -67,6 +67,10 @@ def test_serve_rejects_bad_flags_with_a_clear_message() -> None:
     assert out.returncode == 2 and "HOST:PORT" in out.stderr
     out = frexporter("serve", "--poll-interval", "-1")
     assert out.returncode == 2 and "must be > 0" in out.stderr
+    out = frexporter("serve", "--poll-interval", "nan")
+    assert out.returncode == 2 and "not a finite number" in out.stderr
+    out = frexporter("serve", "--deep-interval", "-1")
+    assert out.returncode == 2 and "must be >= 0" in out.stderr
 
 
 def test_serve_reports_a_busy_port(tmp_path: Path) -> None:
@@ -115,3 +119,50 @@ def test_run_installs_the_recorder_without_code_change(tmp_path: Path) -> None:
 def test_run_without_command_is_a_usage_error() -> None:
     out = frexporter("run")
     assert out.returncode == 2 and "no command" in out.stderr
+
+
+@pytest.mark.e2e
+def test_deep_interval_spaces_the_routine_reads_of_a_busy_rank(tmp_path: Path) -> None:
+    """A real rank making steady progress, watched by two exporters: with --deep-interval 0 its FR ring is read
+    again on every poll that saw it move; with --deep-interval 1000 the first read stands."""
+    job = Job(tmp_path, "soak", world=1, env={"JOB_JITTER_SECONDS": "0.05", "JOB_PAUSE_EVERY": "1000000"})
+    job.start()
+    exporters: dict[str, tuple[int, subprocess.Popen[str]]] = {}
+    try:
+        job.wait_ready()
+        for interval in ("0", "1000"):
+            port = free_port()
+            exporters[interval] = (port, subprocess.Popen(
+                [sys.executable, "-m", "frexporter", "serve", "--dir", str(job.spool), "--listen",
+                 f"127.0.0.1:{port}", "--poll-interval", "0.2", "--no-nvml", "--evidence-dir", "",
+                 "--deep-interval", interval], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                text=True))
+
+        def rank_status(interval: str) -> dict:
+            port, proc = exporters[interval]
+            if proc.poll() is not None:
+                pytest.fail(f"serve --deep-interval {interval} exited: {proc.stderr.read()}")  # type: ignore[union-attr]
+            code, body = http_get(f"http://127.0.0.1:{port}/api/v1/status")
+            ranks = json.loads(body)["ranks"] if code == 200 else []
+            return ranks[0] if ranks and ranks[0]["last_deep_read"] is not None else {}
+
+        def completed(rank: dict) -> int:
+            return max(pg["last_completed_seq"] for pg in rank["process_groups"])
+
+        start = {i: wait_for(lambda i=i: rank_status(i), timeout=30, what=f"a deep read ({i})") for i in exporters}
+        reads: dict[str, set[float]] = {i: {s["last_deep_read"]} for i, s in start.items()}
+
+        def observe() -> bool:
+            for interval in exporters:
+                reads[interval].add(rank_status(interval)["last_deep_read"])
+            return len(reads["0"]) >= 5
+
+        wait_for(observe, timeout=30, interval=0.1, what="five deep reads with --deep-interval 0")
+        moved = completed(rank_status("1000")) - completed(start["1000"])
+        assert moved > 0, "the rank made no progress: nothing for a deep read to refresh"
+        assert len(reads["1000"]) == 1, f"{moved} collectives later, --deep-interval 1000 read again: {reads}"
+    finally:
+        for _, proc in exporters.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+        job.stop()

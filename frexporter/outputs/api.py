@@ -51,6 +51,7 @@ def _rank_json(r: RankState, now: float) -> dict[str, Any]:
         "heartbeat": r.heartbeat,
         "heartbeat_age_seconds": None if r.heartbeat_age is None else round(r.heartbeat_age, 3),
         "socket_alive": r.socket_alive,
+        "last_deep_read": r.last_deep_read,  # when the exporter last read this rank's FR entries over its socket
         "recorder_errors": dict(r.recorder_errors),
         "message": r.message,
         "process_groups": [_pg_json(pg, now) for pg in r.pgs],

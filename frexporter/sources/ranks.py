@@ -42,6 +42,9 @@ DEEP_HANDLERS = {
     spool.RECORDER_FR: ("fr_trace_json", ""),
     spool.RECORDER_NCCL: ("dump_nccl_trace_json", "includecollectives=true&onlyactive=false"),
 }
+# A deep read of a full 2000-entry gloo ring costs its rank ~20 ms of CPU in torch's C++ worker server
+# (docs/recorder-cost.md): reads that only refresh values are spaced this far apart.
+DEFAULT_DEEP_INTERVAL = 15.0
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class RanksConfig:
     directory: str
     poll_interval: float = 1.0
     rank_timeout: float = 2.0  # longest any one rank may hold a poll
-    deep_interval: float = 15.0  # least time between deep reads that only refresh settled values
+    deep_interval: float = DEFAULT_DEEP_INTERVAL  # least time between deep reads that only refresh settled values
     departed_grace: float = 300.0  # keep exporting a dead or exited rank this long
     max_workers: int = 8
     per_rank_durations: bool = False  # collective durations and bytes per rank instead of per node

@@ -161,6 +161,8 @@ a Kubernetes native sidecar (an init container with restartPolicy Always, 1.29+)
     - {{ toString $v.exporter.stuckAfter | quote }}
     - --rank-timeout
     - {{ toString $v.exporter.rankTimeout | quote }}
+    - --deep-interval
+    - {{ toString $v.exporter.deepInterval | quote }}
     {{- if ne (include "frexporter.nvmlEnabled" $) "true" }}
     - --no-nvml
     {{- end }}
