@@ -276,17 +276,22 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
         print(f"deep reads: {report['deep_reads']} of all {args.world} ranks, median "
               f"{report['deep_read_ms_median']:.1f} ms each (client side, incl. JSON parsing)")
     wall = measures["wall time"]
-    verdict = "within" if wall["ratio_ci95"][1] < 1.005 else "NOT shown within"
-    print(f"wall-time overhead: {(wall['ratio_mean'] - 1) * 100:+.3f}% "
-          f"({verdict} the 0.5% budget at 95% confidence)")
     scale = report["scaled_from"]
-    if scale is not None:
+    if scale is None:
+        verdict = "within" if wall["ratio_ci95"][1] < 1.005 else "NOT shown within"
+        print(f"wall-time overhead: {(wall['ratio_mean'] - 1) * 100:+.3f}% "
+              f"({verdict} the 0.5% budget at 95% confidence)")
+    else:
+        # The budget speaks of the default schedule: the amplified run's own ratio is not judged against it.
+        print(f"wall-time overhead as run (amplified): {(wall['ratio_mean'] - 1) * 100:+.3f}%")
         event, per_second, _ = scale
         every = DEFAULT_EVERY[event]
         for name, key in (("mean", "overhead_pct"), ("median", "median_overhead_pct")):
             mid, lo, hi = report[key]
             print(f"{name} scaled from {per_second:.2f} {event}s per second of B to one per {every:g} s: "
                   f"{mid:+.4f}% [{lo:+.4f}, {hi:+.4f}] (wall time lost per {event} {mid * every * 10:.2f} ms)")
+        verdict = "within" if report["overhead_pct"][2] < 0.5 else "NOT shown within"
+        print(f"at the default rate of {event}s: {verdict} the 0.5% budget at 95% confidence")
 
 
 # The default schedule in seconds between events: the recorder's snapshot interval, the exporter's deep interval.
