@@ -438,7 +438,8 @@ def test_daemonset_spool_group(helm: str, jsonschema_mod: Any, tmp_path: Path) -
 
 def test_daemonset_options(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
     docs = render_valid(helm, jsonschema_mod, tmp_path, {
-        "exporter": {"nvml": False, "pollInterval": 0.5, "stuckAfter": 30, "extraArgs": ["--rank-timeout", "3"]},
+        "exporter": {"nvml": False, "pollInterval": 0.5, "stuckAfter": 30, "deepInterval": 60,
+                     "extraArgs": ["--rank-timeout", "3"]},
         "daemonset": {"prepareSpool": False, "runtimeClassName": "nvidia"},
         "spool": {"hostPath": "/var/run/fr", "mountPath": "/spool"},
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
@@ -449,6 +450,7 @@ def test_daemonset_options(helm: str, jsonschema_mod: Any, tmp_path: Path) -> No
     exporter = named(pod["containers"], "frexporter")
     assert "--no-nvml" in exporter["args"] and "NVIDIA_VISIBLE_DEVICES" not in env_of(exporter)
     assert exporter["args"][exporter["args"].index("--poll-interval") + 1] == "0.5"
+    assert exporter["args"][exporter["args"].index("--deep-interval") + 1] == "60"
     assert exporter["args"][-2:] == ["--rank-timeout", "3"]
     assert exporter["image"].endswith("@sha256:" + "a" * 64)
     assert exporter["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}}
@@ -646,6 +648,7 @@ def test_repo_dashboards_are_rendered(helm: str, tmp_path: Path) -> None:
     ({"service": {"port": "x"}}, "service.port: Invalid type. Expected: integer, given: string"),
     ({"exporter": {"port": 70000}}, "exporter.port: Must be less than or equal to 65535"),
     ({"exporter": {"pollInterval": 0}}, "exporter.pollInterval: Must be greater than 0"),
+    ({"exporter": {"deepInterval": -1}}, "exporter.deepInterval: Must be greater than or equal to 0"),
     ({"exporter": {"nvml": "yes"}}, "exporter.nvml: Invalid type. Expected: [boolean,null], given: string"),
     ({"scrape": {"jobName": "gpu-exporter"}}, "scrape.jobName: Does not match pattern 'frexporter'"),
     ({"scrape": {"interval": "15"}}, "scrape.interval: Does not match pattern"),
