@@ -124,7 +124,7 @@ def test_run_without_command_is_a_usage_error() -> None:
 @pytest.mark.e2e
 def test_deep_interval_spaces_the_routine_reads_of_a_busy_rank(tmp_path: Path) -> None:
     """A real rank making steady progress, watched by two exporters: with --deep-interval 0 its FR ring is read
-    again on every poll that saw it move; with --deep-interval 1000 the first read stands."""
+    again on every poll that saw it move; with --deep-interval 1000 the routine reads stop after the first."""
     job = Job(tmp_path, "soak", world=1, env={"JOB_JITTER_SECONDS": "0.05", "JOB_PAUSE_EVERY": "1000000"})
     job.start()
     exporters: dict[str, tuple[int, subprocess.Popen[str]]] = {}
@@ -155,12 +155,14 @@ def test_deep_interval_spaces_the_routine_reads_of_a_busy_rank(tmp_path: Path) -
         def observe() -> bool:
             for interval in exporters:
                 reads[interval].add(rank_status(interval)["last_deep_read"])
-            return len(reads["0"]) >= 5
+            return len(reads["0"]) >= 8
 
-        wait_for(observe, timeout=30, interval=0.1, what="five deep reads with --deep-interval 0")
+        wait_for(observe, timeout=30, interval=0.1, what="eight deep reads with --deep-interval 0")
         moved = completed(rank_status("1000")) - completed(start["1000"])
         assert moved > 0, "the rank made no progress: nothing for a deep read to refresh"
-        assert len(reads["1000"]) == 1, f"{moved} collectives later, --deep-interval 1000 read again: {reads}"
+        # Not == 1: a poll may catch the same snapshot twice with a collective in flight (a possible stall, read at
+        # once whatever the interval), or a loaded machine may leave the heartbeat stale for a poll.
+        assert len(reads["1000"]) <= 2, f"{moved} collectives later, --deep-interval 1000 kept reading: {reads}"
     finally:
         for _, proc in exporters.values():
             proc.send_signal(signal.SIGTERM)
