@@ -32,7 +32,7 @@ On this kind of shared VM one run's answer moves with the VM's state more than i
 ``--runs N`` repeats the whole measurement in fresh jobs and pools them (random effects: the between-run
 spread widens the pooled interval). ``--cpus 1`` runs the job on one CPU, which keeps the VM's cross-CPU
 wake-ups (a halted vCPU woken by an IPI) out of what is measured: unpinned, the window-to-window spread is
-85-1850 % here and even a thread that wakes and does nothing seems to cost milliseconds; pinned, it is 5-14 %.
+85-1850 % here and even a thread that wakes and does nothing seems to cost milliseconds; pinned, it is 5-17 %.
 One CPU is also the worst case for what the recorder and torch's worker server compete for: every
 microsecond of their CPU is one the training thread waits.
 """
@@ -55,6 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._recorder_common import free_port, t_quantile_975
+from frexporter.sources.ranks import DEFAULT_DEEP_INTERVAL
+from frexporter.spool import DEFAULT_SNAPSHOT_INTERVAL
 
 RANK = r"""
 import json, os, sys, threading, time
@@ -149,9 +151,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=40, help="ABBA groups (4 windows each)")
     parser.add_argument("--window", type=float, default=2.0, help="seconds per window (calibrated into steps)")
     parser.add_argument("--world", type=int, default=2, help="ranks (2 fills this 2-core VM)")
-    parser.add_argument("--interval", type=float, default=1.0,
+    parser.add_argument("--interval", type=float, default=DEFAULT_SNAPSHOT_INTERVAL,
                         help="recorder snapshot interval (longer than the run: no snapshots, only deep reads)")
-    parser.add_argument("--deep-every", type=float, default=15.0,
+    parser.add_argument("--deep-every", type=float, default=DEFAULT_DEEP_INTERVAL,
                         help="seconds of B time between deep reads of every rank (0: none)")
     parser.add_argument("--noop", action="store_true",
                         help="B's thread wakes on the same schedule but takes no snapshot: what waking alone costs")
@@ -195,7 +197,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
              for r in range(args.world)]
     leader = procs[0]
     assert leader.stdout is not None
-    arm, b_time, b_since, deep_reads, result = "B", 0.0, time.monotonic(), [], None
+    # No arm until rank 0 names the first window: start-up and calibration are neither A nor B time, and
+    # deep reads in them would inflate the rate that amplified runs are scaled by.
+    arm, b_time, b_since, deep_reads, result = "", 0.0, time.monotonic(), [], None
     total = 4 * args.groups
     seen = 0
     try:
@@ -295,7 +299,7 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 
 # The default schedule in seconds between events: the recorder's snapshot interval, the exporter's deep interval.
-DEFAULT_EVERY = {"snapshot": 1.0, "deep read": 15.0}
+DEFAULT_EVERY = {"snapshot": DEFAULT_SNAPSHOT_INTERVAL, "deep read": DEFAULT_DEEP_INTERVAL}
 
 
 def amplification(snapshots_per_second: float, deep_reads_per_second: float) -> tuple[str, float, float] | None:
