@@ -36,10 +36,10 @@ from typing import Any
 
 from frexporter import naming as n
 from frexporter.app import App, build_app
-from frexporter.rules import load_rules, parse_duration
 from frexporter.sources.ranks import RanksConfig
 from tests.harness import Job, wait_for
 from tests.promstack import INTERVAL_S, SCALE, PromStack, running_stack
+from tests.rulefile import load_rules, parse_duration
 
 DESYNC = "FrexporterCollectiveDesync"
 STALLED = "FrexporterCollectiveStalled"

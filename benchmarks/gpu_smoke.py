@@ -43,9 +43,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
 from frexporter import naming as n
+from frexporter.model import GpuReading
 from frexporter.outputs.gpu_metrics import gpu_metric_families
 from frexporter.sources.base import SourceError
-from frexporter.sources.nvml import GpuReading, NvmlSource, PynvmlBackend
+from frexporter.sources.nvml import NvmlSource, PynvmlBackend
 
 
 class _Collector:

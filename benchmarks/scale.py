@@ -52,7 +52,7 @@ from typing import Any
 
 import yaml
 
-from frexporter.rules import render_rules
+from tests.rulefile import render_rules
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "scale"

@@ -234,7 +234,7 @@ def _spool_permissions_ok(directory: str, strict: bool) -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from frexporter.launcher import run_with_recorder
+    from frexporter.recorder.launcher import run_with_recorder
 
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 # Rank liveness, as the exporter judges it this poll.
@@ -132,10 +133,68 @@ class NodeSnapshot:
     hostname: str
     ranks: tuple[RankState, ...]
     sources: tuple[SourceStatus, ...]
-    gpus: Any = None  # frexporter.sources.nvml.GpuReading when the NVML source is on
+    gpus: GpuReading | None = None  # when the NVML source is on and up
     verdicts: tuple[Any, ...] = ()  # frexporter.analysis.verdicts.Verdict
     collectives: tuple[CollectiveStats, ...] = ()
 
     @staticmethod
     def empty(hostname: str, now: float) -> NodeSnapshot:
         return NodeSnapshot(time=now, hostname=hostname, ranks=(), sources=())
+
+
+# ---------------------------------------------------------------- GPUs (the NVML source fills these)
+
+NVLINK_ERROR_TYPES = ("replay", "recovery", "crc_flit", "crc_data")
+
+_EMPTY: Mapping[Any, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class EccErrors:
+    corrected: int
+    uncorrected: int
+
+
+@dataclass(frozen=True)
+class RemappedRows:
+    correctable: int
+    uncorrectable: int
+    pending: bool
+    failure: bool
+
+
+@dataclass(frozen=True)
+class GpuState:
+    """One GPU at one poll. None means absent (unsupported, failed or lost)."""
+
+    index: int
+    uuid: str
+    name: str
+    lost: bool = False
+    utilization_ratio: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_celsius: float | None = None
+    power_watts: float | None = None
+    energy_joules: float | None = None
+    sm_clock_hertz: float | None = None
+    memory_clock_hertz: float | None = None
+    throttle_reasons: int | None = None
+    ecc_errors: EccErrors | None = None
+    remapped_rows: RemappedRows | None = None
+    pcie_replays: int | None = None
+    nvlink_errors: Mapping[tuple[int, str], int] | None = None
+    xid_errors: Mapping[int, int] = field(default_factory=lambda: _EMPTY)
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    timestamp: float
+    gpus: tuple[GpuState, ...]
+    driver_version: str | None = None
+    # Per-field failures this poll (unsupported fields excluded), by reason.
+    field_errors: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+
+    @property
+    def field_error_count(self) -> int:
+        return sum(self.field_errors.values())

@@ -34,8 +34,8 @@ from typing import Any
 import pytest
 import yaml
 
-from frexporter.rules import render_rules
 from tests.harness import free_port, wait_for
+from tests.rulefile import render_rules
 
 # Shrinks the shipped timings tenfold: FrexporterCollectiveDesync's 30 s threshold becomes 3 s and its
 # "for: 15s" 1.5 s, FrexporterRankDown's "for: 1m" 6 s. With 1 s scrape and evaluation intervals that

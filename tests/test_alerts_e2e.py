@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from frexporter.rules import load_rules, parse_duration
 from tests.harness import Job, wait_for
 from tests.promstack import SCALE, Notification, PromStack
+from tests.rulefile import load_rules, parse_duration
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from frexporter import naming
-from frexporter.rules import load_rules
+from tests.rulefile import load_rules
 
 REQUIRE_TOOLS = os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1"
 try:

@@ -13,6 +13,9 @@ from frexporter.model import (
     RANK_OK,
     RANK_UNRESPONSIVE,
     CollectiveStats,
+    EccErrors,
+    GpuReading,
+    GpuState,
     InflightCollective,
     NodeSnapshot,
     PGState,
@@ -20,7 +23,6 @@ from frexporter.model import (
     SourceStatus,
 )
 from frexporter.outputs.prometheus import SnapshotCollector
-from frexporter.sources.nvml import EccErrors, GpuReading, GpuState
 from tests.harness import require_tool
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"

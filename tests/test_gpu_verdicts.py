@@ -5,8 +5,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from frexporter.analysis import MISSING_RANK, STALLED, STRAGGLER, VerdictConfig, evaluate, make_analyzer
-from frexporter.model import RANK_OK, InflightCollective, NodeSnapshot, PGState, RankState
-from frexporter.sources.nvml import EccErrors, GpuReading, GpuState, RemappedRows
+from frexporter.model import (
+    RANK_OK,
+    EccErrors,
+    GpuReading,
+    GpuState,
+    InflightCollective,
+    NodeSnapshot,
+    PGState,
+    RankState,
+    RemappedRows,
+)
 
 NOW = 1_800_000_000.0
 WORLD = (0, 1, 2, 3)

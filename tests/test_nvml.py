@@ -20,19 +20,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
 from frexporter import naming as n
+from frexporter.model import EccErrors, GpuReading, RemappedRows
 from frexporter.outputs.gpu_metrics import gpu_metric_families
 from frexporter.sources.base import SourceError
-from frexporter.sources.nvml import (
-    EccErrors,
-    FieldNotSupported,
-    GpuBackendError,
-    GpuLost,
-    GpuReading,
-    NvmlSource,
-    PynvmlBackend,
-    RemappedRows,
-    XidEvent,
-)
+from frexporter.sources.nvml import FieldNotSupported, GpuBackendError, GpuLost, NvmlSource, PynvmlBackend, XidEvent
 from tests.fakes.gpu import NORMAL, FakeGpu, FakeGpuBackend, FakePynvml, RawGpu, full_nvlinks
 
 LOGGER = "frexporter.sources.nvml"

@@ -26,9 +26,8 @@ from frexporter import __version__
 from frexporter import naming as n
 from frexporter.analysis.verdicts import Verdict
 from frexporter.exporter import Exporter
-from frexporter.model import NodeSnapshot
+from frexporter.model import NodeSnapshot, RemappedRows
 from frexporter.outputs.prometheus import SnapshotCollector
-from frexporter.sources.nvml import RemappedRows
 from tests.harness import REPO, free_port, wait_for
 from tests.test_golden_metrics import fixed_snapshot
 

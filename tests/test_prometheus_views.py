@@ -27,9 +27,9 @@ from frexporter import naming as n
 from frexporter.analysis import prom
 from frexporter.analysis.verdicts import MISSING_RANK, VerdictConfig, evaluate
 from frexporter.model import RANK_OK, RANK_UNRESPONSIVE
-from frexporter.rules import load_rules
 from tests.harness import REPO, Job, wait_for
 from tests.promstack import SCALE, PromStack
+from tests.rulefile import load_rules
 
 DESYNC = "FrexporterCollectiveDesync"
 JOB_TIMEOUT_S = 60.0  # gloo's timeout: every check below must be done well before the ranks give up

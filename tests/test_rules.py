@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from frexporter import naming
-from frexporter.rules import RULES_PATH, SCALE_MARKER, load_rules, parse_duration, render_rules
+from tests.rulefile import RULES_PATH, SCALE_MARKER, load_rules, parse_duration, render_rules
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT_TESTS = sorted((REPO / "tests" / "rules").glob("*.yml"))

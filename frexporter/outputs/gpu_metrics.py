@@ -31,7 +31,7 @@ from typing import NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from frexporter import naming as n
-from frexporter.sources.nvml import NVLINK_ERROR_TYPES, GpuReading, GpuState
+from frexporter.model import NVLINK_ERROR_TYPES, GpuReading, GpuState
 
 # Label value -> NVML clocks-event reason bit (nvmlClocksEventReason*).
 THROTTLE_REASONS: tuple[tuple[str, int], ...] = (

@@ -21,7 +21,7 @@ from frexporter import spool
 from frexporter.recorder import fr
 from frexporter.recorder.publisher import Publisher, default_job_id
 
-__all__ = ["default_job_id", "install", "installed"]
+__all__ = ["default_job_id", "install"]
 
 log = logging.getLogger("frexporter.recorder")
 _lock = threading.Lock()
@@ -51,10 +51,6 @@ def install(dir: str | None = None, job_id: str | None = None) -> Publisher | No
     except Exception as e:
         log.warning("frexporter recorder disabled: %s", e)
         return None
-
-
-def installed() -> Publisher | None:
-    return _publisher
 
 
 def _enable_flight_recorder() -> None:

@@ -22,11 +22,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
 from frexporter import naming
+from frexporter.model import NVLINK_ERROR_TYPES, EccErrors, GpuReading, GpuState, RemappedRows
 from frexporter.sources.base import SourceError
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,6 @@ REASON_NO_PERMISSION = "no_permission"
 REASON_TIMEOUT = "timeout"
 REASON_INVALID_VALUE = "invalid_value"
 REASON_UNKNOWN = "unknown"
-
-NVLINK_ERROR_TYPES = ("replay", "recovery", "crc_flit", "crc_data")
-
-_EMPTY: Mapping[Any, Any] = MappingProxyType({})
-
 
 class GpuBackendError(Exception):
     """A backend call failed; ``reason`` is one of the REASON_* tokens."""
@@ -64,20 +60,6 @@ class FieldNotSupported(GpuBackendError):
 class GpuLost(GpuBackendError):
     def __init__(self, message: str = "GPU is lost") -> None:
         super().__init__(REASON_GPU_LOST, message)
-
-
-@dataclass(frozen=True)
-class EccErrors:
-    corrected: int
-    uncorrected: int
-
-
-@dataclass(frozen=True)
-class RemappedRows:
-    correctable: int
-    uncorrectable: int
-    pending: bool
-    failure: bool
 
 
 @dataclass(frozen=True)
@@ -111,9 +93,8 @@ class GpuBackend(Protocol):
     def sm_clock(self, index: int) -> float: ...
     def memory_clock(self, index: int) -> float: ...
     def throttle_reasons(self, index: int) -> int:
-        # Drivers before 535 only know the older name of the same bitmask.
-        names = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
-        return int(self._call_first(names, self._handle(index)))
+        """NVML's clock-event (throttle) reasons bitmask."""
+        ...
 
     def ecc_errors(self, index: int) -> EccErrors: ...
     def remapped_rows(self, index: int) -> RemappedRows: ...
@@ -125,43 +106,6 @@ class GpuBackend(Protocol):
     def poll_xid_events(self) -> Sequence[XidEvent]:
         """Critical Xid events since the last call; never blocks."""
         ...
-
-
-@dataclass(frozen=True)
-class GpuState:
-    """One GPU at one poll. None means absent (unsupported, failed or lost)."""
-
-    index: int
-    uuid: str
-    name: str
-    lost: bool = False
-    utilization_ratio: float | None = None
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
-    temperature_celsius: float | None = None
-    power_watts: float | None = None
-    energy_joules: float | None = None
-    sm_clock_hertz: float | None = None
-    memory_clock_hertz: float | None = None
-    throttle_reasons: int | None = None
-    ecc_errors: EccErrors | None = None
-    remapped_rows: RemappedRows | None = None
-    pcie_replays: int | None = None
-    nvlink_errors: Mapping[tuple[int, str], int] | None = None
-    xid_errors: Mapping[int, int] = field(default_factory=lambda: _EMPTY)
-
-
-@dataclass(frozen=True)
-class GpuReading:
-    timestamp: float
-    gpus: tuple[GpuState, ...]
-    driver_version: str | None = None
-    # Per-field failures this poll (unsupported fields excluded), by reason.
-    field_errors: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
-
-    @property
-    def field_error_count(self) -> int:
-        return sum(self.field_errors.values())
 
 
 # --- value checks: a backend is outside data; a bad value blanks one field.
@@ -238,7 +182,6 @@ _FIELDS: tuple[tuple[str, Callable[[object], dict[str, object]]], ...] = (
     ("pcie_replays", _scalar("pcie_replays", _count)),
     ("nvlink_errors", _nvlink),
 )
-FIELD_NAMES = tuple(name for name, _ in _FIELDS)
 
 
 def _reason_of(exc: BaseException) -> str:

@@ -16,15 +16,8 @@ from typing import Any
 
 import pynvml
 
-from frexporter.sources.nvml import (
-    NVLINK_ERROR_TYPES,
-    EccErrors,
-    FieldNotSupported,
-    GpuBackendError,
-    GpuLost,
-    RemappedRows,
-    XidEvent,
-)
+from frexporter.model import NVLINK_ERROR_TYPES, EccErrors, RemappedRows
+from frexporter.sources.nvml import FieldNotSupported, GpuBackendError, GpuLost, XidEvent
 
 GIB = 1 << 30
 

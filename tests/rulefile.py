@@ -19,7 +19,7 @@ import yaml
 
 __all__ = ["RULES_PATH", "SCALE_MARKER", "load_rules", "parse_duration", "render_rules"]
 
-RULES_PATH = Path(__file__).with_name("frexporter.rules.yml")
+RULES_PATH = Path(__file__).resolve().parent.parent / "frexporter" / "rules" / "frexporter.rules.yml"
 SCALE_MARKER = "@scale"
 
 _UNIT_SECONDS = {

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from frexporter import spool
 
-SITE_DIR = str(Path(__file__).parent / "recorder" / "site")
+SITE_DIR = str(Path(__file__).parent / "site")
 
 
 def recorder_env(directory: str | None, job_id: str | None, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -23,7 +23,7 @@ def recorder_env(directory: str | None, job_id: str | None, base: dict[str, str]
     if job_id:
         env["FREXPORTER_JOB_ID"] = job_id
     # frexporter itself must be importable by the sitecustomize, wherever it is installed.
-    package_root = str(Path(__file__).parent.parent)
+    package_root = str(Path(__file__).parents[2])
     parts = [SITE_DIR, package_root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
     return env
