@@ -22,9 +22,9 @@ from pathlib import Path
 
 from frexporter.app import App
 from frexporter.exporter import Exporter
-from frexporter.server import MetricsServer
 from frexporter.sources.nvml import NvmlSource
 from frexporter.sources.ranks import RanksConfig, RanksSource
+from frexporter.web.server import MetricsServer
 from tests import spoolgen
 from tests.fakes.gpu import FakeGpu, FakeGpuBackend
 

@@ -45,12 +45,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
-from frexporter import frtrace, spool
-from frexporter.analysis import frdump, prom
+from frexporter import spool
 from frexporter.analysis.verdicts import VerdictConfig, evaluate
+from frexporter.fr import trace
+from frexporter.fr.domain import translate
+from frexporter.postmortem import dumpfiles, prometheus
 from frexporter.sources import worker_client
 from frexporter.sources.base import SourceError
-from frexporter.sources.progress import translate
 from frexporter.spool import INT_MAX, INT_MIN, SpoolError
 
 if TYPE_CHECKING:
@@ -326,7 +327,7 @@ def _check_snapshot(s: spool.Snapshot) -> None:
         _check_int(count, f"snapshot.errors[{reason!r}]")
 
 
-def _check_dump(dump: frtrace.FrDump) -> None:
+def _check_dump(dump: trace.FrDump) -> None:
     _check_status(dump.pg_status, "pg_status")
     for e in dump.entries:
         for name in ("record_id", "pg_id", "collective_seq_id", "p2p_seq_id", "op_id", "time_created_ns"):
@@ -411,28 +412,28 @@ def run_read_snapshot_map(data: bytes) -> None:
 
 
 def run_parse_dump(data: bytes) -> None:
-    _check_dump(frtrace.parse_dump(_json_or_skip(data)))
+    _check_dump(trace.parse_dump(_json_or_skip(data)))
 
 
-_REFERENCE_DUMP = frtrace.parse_dump(json_dump_doc())
+_REFERENCE_DUMP = trace.parse_dump(json_dump_doc())
 
 
 def _frdump_pipeline(obj: object) -> None:
     """What ``frexporter analyze DIR`` does with a decoded file, next to a well-formed peer rank."""
-    dump = frtrace.parse_dump(obj, "fuzz")
+    dump = trace.parse_dump(obj, "fuzz")
     _check_dump(dump)
-    dumps = [frdump.RankDump(rank=0, path="fuzz0", dump=dump, mtime=1.7e9),
-             frdump.RankDump(rank=1, path="fuzz1", dump=_REFERENCE_DUMP, mtime=1.7e9)]
-    states = frdump.rank_states(dumps)
-    evaluate(states, frdump.dump_time(dumps), VerdictConfig(stuck_after=0.0, complete_view=True))
+    dumps = [dumpfiles.RankDump(rank=0, path="fuzz0", dump=dump, mtime=1.7e9),
+             dumpfiles.RankDump(rank=1, path="fuzz1", dump=_REFERENCE_DUMP, mtime=1.7e9)]
+    states = dumpfiles.rank_states(dumps)
+    evaluate(states, dumpfiles.dump_time(dumps), VerdictConfig(stuck_after=0.0, complete_view=True))
 
 
 def run_frdump_decode(data: bytes) -> None:
-    _frdump_pipeline(frdump.decode(data, "fuzz"))
+    _frdump_pipeline(dumpfiles.decode(data, "fuzz"))
 
 
 def run_safe_loads(data: bytes) -> None:
-    frdump.safe_loads(data)
+    dumpfiles.safe_loads(data)
 
 
 def run_parse_response(data: bytes) -> None:
@@ -456,16 +457,16 @@ def run_complete(data: bytes) -> None:
 
 
 def run_parse_query_response(data: bytes) -> None:
-    for sample in prom.parse_query_response(data):
+    for sample in prometheus.parse_query_response(data):
         if not isinstance(sample, dict) or not isinstance(sample.get("metric"), dict):
             raise Failure("invariant", "a sample without a metric object")
 
 
 def run_prom_rank_states(data: bytes) -> None:
     """``analyze --prometheus``: one fuzzed answer stands in for every query the analysis makes."""
-    samples = prom.parse_query_response(data)
-    with mock.patch.object(prom, "query", lambda *_a, **_k: samples):
-        states = prom.rank_states("http://fuzz", None, now=1.7e9)
+    samples = prometheus.parse_query_response(data)
+    with mock.patch.object(prometheus, "query", lambda *_a, **_k: samples):
+        states = prometheus.rank_states("http://fuzz", None, now=1.7e9)
     evaluate(states, 1.7e9, VerdictConfig(stuck_after=30.0, complete_view=True))
 
 
@@ -696,7 +697,7 @@ def _targets() -> dict[str, Target]:
                lambda: [_json(snapshot_map_doc())], lambda: _strategies().json_doc(snapshot_map_doc())),
         Target("spool.read_snapshot_map", run_read_snapshot_map, (SpoolError,), snapshot_map_seeds,
                lambda: _strategies().binary_file(snapshot_map_seeds()), max_len=1 << 17),
-        Target("frtrace.parse_dump", run_parse_dump, (SpoolError, Skip),
+        Target("trace.parse_dump", run_parse_dump, (SpoolError, Skip),
                lambda: [_json(json_dump_doc())], lambda: _strategies().json_doc(json_dump_doc()), max_len=65536),
         Target("worker_client._parse_response", run_parse_response, (SourceError,),
                http_seeds, lambda: _strategies().http_response(http_seeds())),
@@ -704,14 +705,14 @@ def _targets() -> dict[str, Target]:
                chunk_seeds, lambda: _strategies().chunked(chunk_seeds())),
         Target("worker_client._complete", run_complete, (),
                lambda: [b"\x10" + s for s in http_seeds()], lambda: _strategies().http_response(http_seeds())),
-        Target("frdump.safe_loads", run_safe_loads, (pickle.UnpicklingError,),
+        Target("dumpfiles.safe_loads", run_safe_loads, (pickle.UnpicklingError,),
                pickle_seeds, lambda: _strategies().pickles(pickle_seeds()), max_len=65536),
-        Target("frdump.decode", run_frdump_decode, (frdump.DumpError, SpoolError),
+        Target("dumpfiles.decode", run_frdump_decode, (dumpfiles.DumpError, SpoolError),
                lambda: [*pickle_seeds(), _json(json_dump_doc())],
                lambda: _strategies().dump_file(json_dump_doc(), pickle_dump_doc(), pickle_seeds()), max_len=65536),
-        Target("prom.parse_query_response", run_parse_query_response, (prom.PrometheusError,),
+        Target("prometheus.parse_query_response", run_parse_query_response, (prometheus.PrometheusError,),
                lambda: [_json(prom_doc())], lambda: _strategies().json_doc(prom_doc())),
-        Target("prom.rank_states", run_prom_rank_states, (prom.PrometheusError,),
+        Target("prometheus.rank_states", run_prom_rank_states, (prometheus.PrometheusError,),
                lambda: [_json(prom_doc())], lambda: _strategies().prom_answer(prom_doc())),
     ]
     targets += _webconfig_targets()
@@ -721,7 +722,7 @@ def _targets() -> dict[str, Target]:
 def _webconfig_targets() -> list[Target]:
     """The TLS/basic-auth web config file and the Authorization header, where this checkout has them."""
     try:
-        from frexporter import webconfig  # type: ignore[attr-defined]
+        from frexporter.web import webconfig  # type: ignore[attr-defined]
     except ImportError:
         return []
     # Names looked up defensively: that module is being written in parallel with this file.

@@ -85,9 +85,9 @@ def real_exposition(ranks: int = RANKS_PER_NODE, pgs: int = PGS, gpus: int = GPU
     """``/metrics`` of one node as the exporter serves it, after its ranks made progress."""
     from frexporter.app import App
     from frexporter.exporter import Exporter
-    from frexporter.server import MetricsServer
     from frexporter.sources.nvml import NvmlSource
     from frexporter.sources.ranks import RanksConfig, RanksSource
+    from frexporter.web.server import MetricsServer
     from tests import spoolgen
     from tests.fakes.gpu import FakeGpu, FakeGpuBackend
 
@@ -532,7 +532,7 @@ def _expected_alert(name: str, at: float, sc: Scenario) -> list[tuple[str, str]]
 
 
 def time_analyze(base: str, sc: Scenario) -> dict[str, Any]:
-    from frexporter.analysis import report as analysis_report
+    from frexporter.postmortem import report as analysis_report
 
     t0 = time.perf_counter()
     rep = analysis_report.from_prometheus(base, JOB, 60.0)

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 from frexporter import spool
 from frexporter.analysis import VerdictConfig, make_analyzer
-from frexporter.evidence import EvidenceConfig, EvidenceWriter
 from frexporter.exporter import Exporter, Source
-from frexporter.server import MetricsServer
+from frexporter.outputs.evidence import EvidenceConfig, EvidenceWriter
+from frexporter.outputs.verdict_events import VerdictEvents
 from frexporter.sources.ranks import RanksConfig, RanksSource
-from frexporter.verdict_events import VerdictEvents
-from frexporter.webconfig import WebConfig, check_debug_exposure
+from frexporter.web.server import MetricsServer
+from frexporter.web.webconfig import WebConfig, check_debug_exposure
 
 if TYPE_CHECKING:
     from frexporter.outputs.otlp import OtlpPusher

@@ -172,7 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     web_config = None
     if args.web_config:
-        from frexporter.webconfig import WebConfigError, load_web_config
+        from frexporter.web.webconfig import WebConfigError, load_web_config
 
         try:
             web_config = load_web_config(args.web_config)
@@ -248,7 +248,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _analyze(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from frexporter.analysis import frdump, prom, report
+    from frexporter.postmortem import dumpfiles, prometheus, report
 
     if bool(args.dir) == bool(args.prometheus):
         parser.error("analyze needs either DIR or --prometheus URL")
@@ -258,7 +258,7 @@ def _analyze(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             result = report.from_prometheus(args.prometheus, args.job_id, stuck)
         else:
             result = report.from_dir(args.dir, 0.0 if args.stuck_after is None else args.stuck_after)
-    except (frdump.DumpError, prom.PrometheusError) as e:
+    except (dumpfiles.DumpError, prometheus.PrometheusError) as e:
         print(f"frexporter analyze: {e}", file=sys.stderr)
         return 1
     if not result.ranks:

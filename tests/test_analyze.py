@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from frexporter.analysis import frdump
+from frexporter.postmortem import dumpfiles
 from tests.harness import REPO, free_port
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -54,11 +54,11 @@ def test_analyze_names_the_rank_missing_from_real_gloo_dumps(real_dumps: Path) -
 
 @pytest.mark.e2e
 def test_gloo_dump_with_broken_pg_config_still_maps_groups(real_dumps: Path) -> None:
-    dumps, problems = frdump.load_dir(str(real_dumps))
+    dumps, problems = dumpfiles.load_dir(str(real_dumps))
     assert problems == []
     # torch 2.8-2.13 gloo writes one '' key here; names come from the entries instead.
     assert all(set(d.dump.pg_config) <= {""} for d in dumps)
-    states = frdump.rank_states(dumps)
+    states = dumpfiles.rank_states(dumps)
     everyone = {pg.desc: pg.ranks for pg in states[0].pgs}
     assert everyone == {"default_pg": (0, 1, 2), "everyone": (0, 1, 2)}
 
@@ -82,7 +82,7 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path: Path) -> None:
     assert "refusing to load posix.system" in out.stderr
     assert not marker.exists()
     with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
-        frdump.safe_loads(pickle.dumps(_Evil(marker)))
+        dumpfiles.safe_loads(pickle.dumps(_Evil(marker)))
     assert not marker.exists()
 
 

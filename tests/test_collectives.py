@@ -16,7 +16,7 @@ from frexporter import naming as n
 from frexporter import spool
 from frexporter.analysis import make_analyzer
 from frexporter.exporter import Exporter
-from frexporter.frtrace import FrEntry, parse_entry
+from frexporter.fr.trace import FrEntry, parse_entry
 from frexporter.model import DURATION_BUCKETS
 from frexporter.outputs.prometheus import SnapshotCollector
 from frexporter.sources.collectives import (

@@ -61,9 +61,9 @@ HOSTILE = fuzz.hostile_pickles()
 @pytest.mark.parametrize("index", range(len(HOSTILE)))
 def test_hostile_pickles_are_refused_without_running_anything(index: int) -> None:
     data = HOSTILE[index]
-    for name in ("frdump.safe_loads", "frdump.decode"):
+    for name in ("dumpfiles.safe_loads", "dumpfiles.decode"):
         # Raises on a call, an import, a hang or a case over budget (DAG and memo-reference bombs).
         fuzz.run_case(fuzz.TARGETS[name], data)
     if _names_code(data):
         with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
-            fuzz.frdump.safe_loads(data)
+            fuzz.dumpfiles.safe_loads(data)

@@ -9,7 +9,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frexporter import frtrace, spool
+from frexporter import spool
+from frexporter.fr import trace
 from frexporter.sources import worker_client
 from frexporter.sources.base import SourceError
 from frexporter.spool import SpoolError
@@ -63,7 +64,7 @@ GLOO_ENTRY = {
 def test_fr_dump_parser_drops_bad_entries(entries: list, status: object) -> None:
     doc = {"version": "2.10", "pg_status": status, "entries": entries}
     try:
-        dump = frtrace.parse_dump(doc)
+        dump = trace.parse_dump(doc)
     except SpoolError:
         return
     assert len(dump.entries) + dump.dropped_entries == len(entries)
@@ -78,7 +79,7 @@ def test_fr_dump_json_and_pickle_shapes_agree() -> None:
                                                        "last_completed_collective": 1}},
                  "entries": [{**GLOO_ENTRY, "process_group": ("0", "default_pg"),
                               "time_discovered_started_ns": None}]}
-    a, b = frtrace.parse_dump(as_json), frtrace.parse_dump(as_pickle)
+    a, b = trace.parse_dump(as_json), trace.parse_dump(as_pickle)
     assert a.pg_status == b.pg_status and a.entries == b.entries
     assert a.entries[0].op == "all_reduce" and a.entries[0].done
 

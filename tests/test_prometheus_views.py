@@ -24,9 +24,9 @@ from unittest import mock
 import pytest
 
 from frexporter import naming as n
-from frexporter.analysis import prom
 from frexporter.analysis.verdicts import MISSING_RANK, VerdictConfig, evaluate
 from frexporter.model import RANK_OK, RANK_UNRESPONSIVE
+from frexporter.postmortem import prometheus
 from tests.harness import REPO, Job, wait_for
 from tests.promstack import SCALE, PromStack
 from tests.rulefile import load_rules
@@ -214,7 +214,7 @@ def test_every_dashboard_query_returns_data_for_a_desync(
               f"{len(excluded)} excluded (GPU, NCCL timing, collective metrics, recorder errors)")
 
 
-# --- how prom.rank_states reads series (canned answers) ----------------------------------------------------
+# --- how prometheus.rank_states reads series (canned answers) ----------------------------------------------------
 
 NOW = 1_700_000_000.0
 
@@ -243,7 +243,7 @@ def _rank(metric: str, value: float, rank: int, instance: str = "node0:9400", sc
 
 
 class FakePrometheus:
-    """Answers prom.query from samples of one job: plain selectors and timestamp() of them, by metric name."""
+    """Answers prometheus.query from samples of one job: plain selectors and timestamp() of them, by metric name."""
 
     def __init__(self, samples: list[dict[str, Any]]) -> None:
         self.samples = samples
@@ -284,8 +284,8 @@ def _rank_series(rank: int, enq: int, done: int, world: int = 3, instance: str =
 
 
 def _states(samples: list[dict[str, Any]], job_id: str | None = "j") -> tuple[Any, ...]:
-    with mock.patch.object(prom, "query", FakePrometheus(samples)):
-        return prom.rank_states("http://prometheus", job_id, NOW)
+    with mock.patch.object(prometheus, "query", FakePrometheus(samples)):
+        return prometheus.rank_states("http://prometheus", job_id, NOW)
 
 
 def test_a_rank_without_series_is_still_a_member_of_the_world_pg() -> None:
@@ -313,8 +313,8 @@ def test_a_rank_reported_by_two_exporters_is_read_from_the_fresher() -> None:
 
 def test_job_id_is_quoted_in_promql() -> None:
     fake = FakePrometheus([])
-    with mock.patch.object(prom, "query", fake):
-        prom.rank_states("http://prometheus", 'a"b\\c', NOW)
+    with mock.patch.object(prometheus, "query", fake):
+        prometheus.rank_states("http://prometheus", 'a"b\\c', NOW)
     assert fake.queries and all('{job_id="a\\"b\\\\c"}' in q for q in fake.queries), fake.queries
 
 

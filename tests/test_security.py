@@ -25,9 +25,10 @@ from typing import Any
 
 import pytest
 
-from frexporter import cli, spool, webconfig
+from frexporter import cli, spool
 from frexporter.app import build_app
-from frexporter.webconfig import BasicAuth, WebConfig, WebConfigError, check_debug_exposure, is_loopback
+from frexporter.web import webconfig
+from frexporter.web.webconfig import BasicAuth, WebConfig, WebConfigError, check_debug_exposure, is_loopback
 from tests import spoolgen
 from tests.harness import REPO, free_port, metrics, require_tool, sample, wait_for
 

@@ -10,7 +10,7 @@ import pytest
 
 from frexporter import naming as n
 from frexporter.analysis import STRAGGLER, VerdictConfig, evaluate
-from frexporter.frtrace import FrEntry
+from frexporter.fr.trace import FrEntry
 from frexporter.model import RANK_DOWN, RANK_OK, InflightCollective, PGState, RankState
 from frexporter.sources.collectives import LONE_PENDING, LatenessTracker
 from tests.harness import metrics, sample, wait_for

@@ -592,7 +592,7 @@ def test_property_healthy_skew_is_never_a_verdict(states: list[RankState], compl
 
 def test_dump_completion_lag_on_two_ranks_still_names_the_missing_one() -> None:
     """gloo marks a finished barrier completed late: two of three dumps still show it in flight."""
-    from frexporter.analysis.frdump import _settle_completion_lag
+    from frexporter.postmortem.dumpfiles import _settle_completion_lag
 
     world = (0, 1, 2)
     lagging = pg("0", world, 5, 3, (entry(4, 0.5, op="barrier"), entry(5, 0.4)))

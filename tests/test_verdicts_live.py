@@ -53,7 +53,8 @@ def test_missing_rank_verdict_everywhere_with_evidence(job_factory, exporter_fac
     (post,) = json.loads(out.stdout)
     assert (post["kind"], post["ranks"], post["seq"], post["job_id"]) == ("missing_rank", [1], 4, "job")
 
-    appeared = [r for r in caplog.records if r.name == "frexporter.verdicts" and "never joined" in r.getMessage()]
+    appeared = [r for r in caplog.records
+                if r.name == "frexporter.outputs.verdict_events" and "never joined" in r.getMessage()]
     assert len(appeared) == 1  # logged once, not once per poll
     job.touch("stop")
     wait_for(lambda: not exp.snapshot.verdicts, timeout=20, what="verdict cleared after the job ended")

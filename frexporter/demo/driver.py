@@ -65,7 +65,7 @@ def run_demo(ranks: int = 4, keep: bool = False, stuck_after: float = 4.0, out: 
         p for p in (os.path.dirname(os.path.dirname(os.path.dirname(__file__))), env.get("PYTHONPATH")) if p)
     os.makedirs(spool, mode=0o700)
     # The demo prints verdicts itself; the exporter's own log lines would say the same twice.
-    for name in ("frexporter.verdicts", "frexporter.evidence"):
+    for name in ("frexporter.outputs.verdict_events", "frexporter.outputs.evidence"):
         logging.getLogger(name).setLevel(logging.ERROR)
     app = build_app(directory=spool, host="127.0.0.1", port=0, poll_interval=0.5, stuck_after=stuck_after,
                     nvml=False, deep_interval=2.0)

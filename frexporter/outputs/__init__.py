@@ -1,1 +1,2 @@
-"""Outputs: views of one NodeSnapshot (Prometheus, OTLP, JSON API, HTML). They compute nothing new."""
+"""Outputs: views of one NodeSnapshot (Prometheus, OTLP, JSON API, HTML) and what the exporter does when a
+verdict appears (a log line, an evidence bundle). They compute nothing the analysis already knows."""

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from frexporter.frtrace import FrEntry
+from frexporter.fr.trace import FrEntry
 from frexporter.model import DURATION_BUCKETS, CollectiveStats
 
 # Element size of torch's ScalarType names as FR writes them (``c10::toString``). Types that pack several

@@ -18,7 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from frexporter import frtrace, spool
+from frexporter import spool
+from frexporter.fr import trace
+from frexporter.fr.domain import DeepView, translate
 from frexporter.model import (
     RANK_DOWN,
     RANK_EXITED,
@@ -32,7 +34,6 @@ from frexporter.model import (
 from frexporter.sources import worker_client
 from frexporter.sources.base import SourceError
 from frexporter.sources.collectives import DEFAULT_WINDOW, CollectiveAccumulator, EntryCursor, GroupKey, LatenessTracker
-from frexporter.sources.progress import DeepView, translate
 from frexporter.spool import Manifest, PGEntry, RawPGStatus, Snapshot, SpoolError
 
 log = logging.getLogger("frexporter.ranks")
@@ -316,7 +317,7 @@ class RanksSource:
                     return True
         return False
 
-    def _deep_read(self, manifest: Manifest, path: str) -> dict[str, frtrace.FrDump]:
+    def _deep_read(self, manifest: Manifest, path: str) -> dict[str, trace.FrDump]:
         dumps = {}
         for recorder in manifest.recorders:
             handler, query = DEEP_HANDLERS.get(recorder, ("", ""))
@@ -324,7 +325,7 @@ class RanksSource:
                 continue
             obj = worker_client.post_json(path, handler, self.config.rank_timeout, query)
             try:
-                dumps[recorder] = frtrace.parse_dump(obj, f"{path} {handler}")
+                dumps[recorder] = trace.parse_dump(obj, f"{path} {handler}")
             except SpoolError as e:
                 raise SourceError(e.reason, str(e)) from e
         return dumps
@@ -365,7 +366,7 @@ class RanksSource:
             log.warning("rank %d of job %s: %s (reason=%s; logged once)", track.manifest.rank,
                         track.manifest.job_id, err, err.reason)
 
-    def _absorb_deep(self, track: _RankTrack, dumps: dict[str, frtrace.FrDump], now: float) -> None:
+    def _absorb_deep(self, track: _RankTrack, dumps: dict[str, trace.FrDump], now: float) -> None:
         track.deep_time = now
         for recorder, dump in dumps.items():
             views = translate(dump)
@@ -382,7 +383,7 @@ class RanksSource:
             track.deep_raw[recorder] = dict(dump.pg_status)
             self._absorb_entries(track, recorder, dump)
 
-    def _absorb_entries(self, track: _RankTrack, recorder: str, dump: frtrace.FrDump) -> None:
+    def _absorb_entries(self, track: _RankTrack, recorder: str, dump: trace.FrDump) -> None:
         """Feed entries not seen before to the duration/bytes counters and the lateness tracker, once each."""
         cursor = track.cursors.setdefault(recorder, EntryCursor(nccl=recorder == spool.RECORDER_NCCL))
         settled, fresh, missed = cursor.take(dump.entries)
@@ -392,7 +393,7 @@ class RanksSource:
             if entry.pg_name:
                 pg_entry = table.get(entry.pg_name)
                 self._collectives.add(m.job_id, m.rank, pg_entry.desc if pg_entry else entry.pg_desc, entry)
-        by_pg: dict[str, list[frtrace.FrEntry]] = {}
+        by_pg: dict[str, list[trace.FrEntry]] = {}
         for entry in fresh:
             if entry.pg_name in table:
                 by_pg.setdefault(entry.pg_name, []).append(entry)

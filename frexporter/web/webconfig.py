@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("frexporter.webconfig")
+log = logging.getLogger("frexporter.web.webconfig")
 
 MAX_FILE_BYTES = 1024 * 1024
 

@@ -18,9 +18,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from frexporter import frtrace
+from frexporter.fr import trace
+from frexporter.fr.domain import translate
 from frexporter.model import RANK_OK, PGState, RankState
-from frexporter.sources.progress import translate
 from frexporter.spool import SpoolError
 
 MAX_DUMP_BYTES = 512 * 1024 * 1024
@@ -87,7 +87,7 @@ def rank_of(path: str) -> int | None:
 class RankDump:
     rank: int
     path: str
-    dump: frtrace.FrDump
+    dump: trace.FrDump
     mtime: float
 
 
@@ -106,7 +106,7 @@ def load_file(path: str) -> RankDump:
         raise DumpError(f"{path}: {e.strerror or e}") from e
     obj = decode(data, path)
     try:
-        dump = frtrace.parse_dump(obj, path)
+        dump = trace.parse_dump(obj, path)
     except SpoolError as e:
         raise DumpError(str(e)) from e
     return RankDump(rank=rank, path=path, dump=dump, mtime=mtime)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from frexporter.frtrace import FrDump, FrEntry
+from frexporter.fr.trace import FrDump, FrEntry
 from frexporter.model import InflightCollective
 from frexporter.spool import RawPGStatus
 

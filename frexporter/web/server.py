@@ -24,15 +24,15 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from frexporter import spool
-from frexporter.evidence import VERDICT_FILE
 from frexporter.exporter import Exporter
 from frexporter.outputs import exposition
 from frexporter.outputs.api import status_html, status_json
+from frexporter.outputs.evidence import VERDICT_FILE
 from frexporter.outputs.identity import IdentityCollector
 from frexporter.outputs.prometheus import SnapshotCollector
-from frexporter.webconfig import BasicAuth, TLSContextSource, WebConfig
+from frexporter.web.webconfig import BasicAuth, TLSContextSource, WebConfig
 
-log = logging.getLogger("frexporter.server")
+log = logging.getLogger("frexporter.web.server")
 
 # A client that opens a connection and never finishes the TLS handshake must not hold a thread forever.
 HANDSHAKE_TIMEOUT = 10.0

@@ -25,7 +25,7 @@ from frexporter.model import RankState
 from frexporter.sources import worker_client
 from frexporter.sources.base import SourceError
 
-log = logging.getLogger("frexporter.evidence")
+log = logging.getLogger("frexporter.outputs.evidence")
 
 VERDICT_FILE = "verdict.json"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")

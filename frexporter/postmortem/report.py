@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from frexporter.analysis import frdump, prom
 from frexporter.analysis.verdicts import Verdict, VerdictConfig, budget_left, evaluate
 from frexporter.model import RankState
+from frexporter.postmortem import dumpfiles, prometheus
 
 EVIDENCE_FILE = "verdict.json"
 _NOT_DUMPS = (EVIDENCE_FILE,)
@@ -27,7 +27,7 @@ class Report:
 
 
 def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report:
-    dumps, problems = frdump.load_dir(directory)
+    dumps, problems = dumpfiles.load_dir(directory)
     problems = [p for p in problems if not any(os.path.basename(p.split(":")[0]) == f for f in _NOT_DUMPS)
                 and not os.path.basename(p.split(":")[0]).startswith("stacks_rank")]
     recorded = None
@@ -40,15 +40,15 @@ def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report
             problems.append(f"{evidence}: {e}")
     if isinstance(recorded, dict) and isinstance(recorded.get("verdict"), dict):
         job_id = str(recorded["verdict"].get("job_id", job_id))
-    ranks = frdump.rank_states(dumps, job_id=job_id)
-    now = frdump.dump_time(dumps) or time.time()
+    ranks = dumpfiles.rank_states(dumps, job_id=job_id)
+    now = dumpfiles.dump_time(dumps) or time.time()
     verdicts = evaluate(ranks, now, VerdictConfig(stuck_after=stuck_after, complete_view=True))
     return Report(source=directory, ranks=ranks, verdicts=verdicts, problems=problems, recorded=recorded)
 
 
 def from_prometheus(url: str, job_id: str | None, stuck_after: float) -> Report:
     now = time.time()
-    ranks = prom.rank_states(url, job_id, now)
+    ranks = prometheus.rank_states(url, job_id, now)
     verdicts = evaluate(ranks, now, VerdictConfig(stuck_after=stuck_after, complete_view=True))
     return Report(source=url, ranks=ranks, verdicts=verdicts)
 

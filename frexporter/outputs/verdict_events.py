@@ -10,10 +10,10 @@ import concurrent.futures as cf
 import logging
 
 from frexporter.analysis import VerdictTracker
-from frexporter.evidence import EvidenceWriter
 from frexporter.model import NodeSnapshot
+from frexporter.outputs.evidence import EvidenceWriter
 
-log = logging.getLogger("frexporter.verdicts")
+log = logging.getLogger("frexporter.outputs.verdict_events")
 
 
 class VerdictEvents:
