@@ -130,7 +130,7 @@ class Watched:
             since = time.time()
             self.app = build_app(directory=str(self.job.spool), host="127.0.0.1", port=self.stack.exporter_port,
                                  poll_interval=self.settings.poll_interval, stuck_after=self.settings.stuck_after,
-                                 deep_interval=self.settings.deep_interval, nvml=False)
+                                 deep_interval=self.settings.deep_interval, sources=(n.SOURCE_RANKS,))
             self.app.start()
             self.stack.wait_target_up(since)
             wait_for(lambda: len(self.stack.query(f'{n.RANK_UP}{{job_id="{self.job.job_id}"}} == 1'))

@@ -67,7 +67,7 @@ def nvml_smoke(args: argparse.Namespace) -> int:
             if poll:
                 time.sleep(args.interval)  # pacing a real poll loop, not a test wait
             wall, cpu = time.perf_counter(), time.process_time()
-            reading = source.collect()
+            reading = source.read()
             collect_ms.append((time.perf_counter() - wall) * 1e3)
             cpu_ms.append((time.process_time() - cpu) * 1e3)
     except SourceError as exc:
@@ -214,7 +214,7 @@ def nccl_smoke(args: argparse.Namespace) -> int:
                              str(port), str(args.steps), str(args.hang_seconds), "1" if args.cpu_dry_run else "0"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     app = build_app(str(spool), port=0, poll_interval=0.5, stuck_after=args.stuck_after, rank_timeout=2.0,
-                    nvml=not args.cpu_dry_run, deep_interval=1.0, evidence_dir="")
+                    sources=("ranks",) if args.cpu_dry_run else ("ranks", "nvml"), deep_interval=1.0, evidence_dir="")
     started = False
     try:
         _wait("rank ready", (control / "ready").exists, 120, proc)

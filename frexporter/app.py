@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from frexporter import spool
+from frexporter import defaults, naming, spool
 from frexporter.analysis import VerdictConfig, make_analyzer
-from frexporter.exporter import Exporter, Source
+from frexporter.exporter import Exporter
 from frexporter.outputs.evidence import EvidenceConfig, EvidenceWriter
 from frexporter.outputs.verdict_events import VerdictEvents
+from frexporter.sources import DEFAULT_SOURCES, SOURCES
+from frexporter.sources.base import Source
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from frexporter.web.server import MetricsServer
 from frexporter.web.webconfig import WebConfig, check_debug_exposure
@@ -20,8 +23,6 @@ if TYPE_CHECKING:
     from frexporter.outputs.otlp import OtlpPusher
 
 log = logging.getLogger("frexporter")
-
-NVML_INTERVAL = 5.0
 
 
 @dataclass
@@ -55,22 +56,27 @@ def build_app(
     directory: str,
     host: str = "127.0.0.1",
     port: int = 0,
-    poll_interval: float = 1.0,
-    stuck_after: float = 60.0,
-    rank_timeout: float = 2.0,
-    nvml: bool = True,
-    deep_interval: float = RanksConfig.deep_interval,
+    poll_interval: float = defaults.POLL_INTERVAL,
+    stuck_after: float = defaults.STUCK_AFTER,
+    rank_timeout: float = defaults.RANK_TIMEOUT,
+    sources: Collection[str] = DEFAULT_SOURCES,
+    deep_interval: float = defaults.DEEP_INTERVAL,
     otlp_endpoint: str | None = None,
-    otlp_interval: float = 15.0,
+    otlp_interval: float = defaults.OTLP_INTERVAL,
     otlp_protocol: str | None = None,
     evidence_dir: str | None = None,
     evidence_stacks: bool = False,
     per_rank_durations: bool = False,
+    nvlink_per_link: bool = False,
+    verdict_confirm_after: float = 0.0,
     web_config: WebConfig | None = None,
     debug_endpoints: bool = False,
 ) -> App:
-    """``evidence_dir``: None for ``<spool>/evidence``, "" to capture no evidence. ``per_rank_durations``: label
-    collective durations and bytes by rank (one histogram per rank, PG and op) instead of summing the node's.
+    """``sources``: names from ``frexporter.sources.SOURCES`` to read. ``evidence_dir``: None for
+    ``<spool>/evidence``, "" to capture no evidence. ``per_rank_durations``: label collective durations and
+    bytes by rank (one histogram per rank, PG and op) instead of summing the node's. ``nvlink_per_link``: NVLink
+    error counters per link instead of summed per GPU. ``verdict_confirm_after``: seconds a verdict must persist
+    before it is logged and its evidence captured (the verdict is in /metrics and the API at once).
 
     ``web_config``: TLS and basic auth for every endpoint. ``debug_endpoints`` adds /api/v1/evidence; it
     raises WebConfigError (a ValueError) on a non-loopback ``host`` unless TLS and authentication are on.
@@ -83,19 +89,24 @@ def build_app(
             per_rank_durations=per_rank_durations,
         )
     )
-    sources: list[tuple[Source, float]] = [(ranks, poll_interval)]
-    if nvml:
+    unknown = set(sources) - {s.name for s in SOURCES}
+    if unknown:
+        raise ValueError(f"unknown sources: {', '.join(sorted(unknown))}")
+    polled: list[tuple[Source, float]] = []
+    if naming.SOURCE_RANKS in sources:
+        polled.append((ranks, poll_interval))
+    if naming.SOURCE_NVML in sources:
         from frexporter.sources.nvml import NvmlSource
 
-        sources.append((NvmlSource(), max(poll_interval, NVML_INTERVAL)))
-    exporter = Exporter(sources, poll_interval=poll_interval,
+        polled.append((NvmlSource(), max(poll_interval, defaults.NVML_INTERVAL)))
+    exporter = Exporter(polled, poll_interval=poll_interval,
                         analyzer=make_analyzer(VerdictConfig(stuck_after=stuck_after)))
     evidence = None
     target = ""
     if evidence_dir != "":
         target = evidence_dir or os.path.join(directory, spool.EVIDENCE_DIRNAME)
         evidence = EvidenceWriter(EvidenceConfig(directory=target, stacks=evidence_stacks))
-    events = VerdictEvents(directory, evidence)
+    events = VerdictEvents(directory, evidence, confirm_after=verdict_confirm_after)
     exporter.poll_listeners.append(events)
     otlp = None
     if otlp_endpoint:  # before the server binds: a bad endpoint must not leave a listening socket behind
@@ -103,7 +114,7 @@ def build_app(
 
         otlp = OtlpPusher(otlp_endpoint, interval=otlp_interval, protocol=otlp_protocol, hostname=exporter.hostname)
         exporter.poll_listeners.append(otlp.observe)
-        exporter.extra_sources.append(otlp.status)
+        exporter.output_statuses.append(otlp.status)
     server = MetricsServer(exporter, host, port, web_config=web_config, debug_endpoints=debug_endpoints,
-                           evidence_dir=target)
+                           evidence_dir=target, nvlink_per_link=nvlink_per_link)
     return App(exporter=exporter, server=server, otlp=otlp, events=events)

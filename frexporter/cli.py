@@ -10,13 +10,14 @@ import signal
 import sys
 import threading
 
-from frexporter import __version__, spool
-from frexporter.sources.ranks import DEFAULT_DEEP_INTERVAL
+from frexporter import __version__, defaults, spool
+from frexporter.sources import SOURCES
 
-DEFAULT_LISTEN = ":9477"
-DEFAULT_POLL_INTERVAL = 1.0
-DEFAULT_STUCK_AFTER = 60.0
-DEFAULT_RANK_TIMEOUT = 2.0
+DEFAULT_LISTEN = defaults.LISTEN
+DEFAULT_POLL_INTERVAL = defaults.POLL_INTERVAL
+DEFAULT_STUCK_AFTER = defaults.STUCK_AFTER
+DEFAULT_RANK_TIMEOUT = defaults.RANK_TIMEOUT
+DEFAULT_DEEP_INTERVAL = defaults.DEEP_INTERVAL
 SPOOL_RECHECK_SECONDS = 1.0
 
 
@@ -88,7 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
                             "socket, which feed collective bytes, durations and straggler scores; work that "
                             "stops moving is read at once whatever this says. Each read of a full ring costs "
                             f"the rank ~20 ms of CPU in torch's worker server (default {DEFAULT_DEEP_INTERVAL:g})")
-    serve.add_argument("--no-nvml", action="store_true", help="do not read GPU state from NVML")
+    for info in SOURCES:
+        serve.add_argument(f"--source.{info.name}", dest=f"source_{info.name}", action=argparse.BooleanOptionalAction,
+                           default=info.enabled_by_default,
+                           help=f"read {info.help} (default: {'on' if info.enabled_by_default else 'off'})")
+    serve.add_argument("--no-nvml", dest="source_nvml", action="store_false",
+                       help="the same as --no-source.nvml")
+    serve.add_argument("--per-rank-durations", action="store_true",
+                       help="label collective durations and bytes by rank (one histogram per rank, PG and op) "
+                            "instead of summing the node's ranks; multiplies those series by the ranks per node")
+    serve.add_argument("--nvml.nvlink-per-link", dest="nvlink_per_link", action="store_true",
+                       help="NVLink error counters per link (18 links x 4 types per GPU) instead of per GPU")
+    serve.add_argument("--verdict-confirm-after", type=_non_negative, default=0.0, metavar="SECONDS",
+                       help="how long a verdict must persist before it is logged and its evidence captured; it is "
+                            "in /metrics and /api/v1/status at once (default 0)")
     serve.add_argument("--evidence-dir", default=None, metavar="DIR",
                        help="where evidence bundles go when a verdict appears (default: <spool>/evidence; "
                             "'' to disable)")
@@ -107,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also push the metrics over OTLP: http://HOST:4318 (HTTP/protobuf) or grpc://HOST:4317")
     serve.add_argument("--otlp-protocol", choices=["http/protobuf", "grpc"], default=None,
                        help="OTLP transport when the URL scheme does not say (default: from the scheme)")
-    serve.add_argument("--otlp-interval", type=_positive, default=15.0, metavar="SECONDS",
-                       help="seconds between OTLP pushes (default 15)")
+    serve.add_argument("--otlp-interval", type=_positive, default=defaults.OTLP_INTERVAL, metavar="SECONDS",
+                       help=f"seconds between OTLP pushes (default {defaults.OTLP_INTERVAL:g})")
 
     run = sub.add_parser("run", help="run a training command with the recorder in every rank",
                          description="Run COMMAND with the recorder installed in every Python process "
@@ -185,8 +199,10 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = args.listen
     try:
         app = build_app(directory=directory, host=host, port=port, poll_interval=args.poll_interval,
-                        stuck_after=args.stuck_after, rank_timeout=args.rank_timeout, nvml=not args.no_nvml,
-                        deep_interval=args.deep_interval,
+                        stuck_after=args.stuck_after, rank_timeout=args.rank_timeout,
+                        sources=[info.name for info in SOURCES if getattr(args, f"source_{info.name}")],
+                        deep_interval=args.deep_interval, per_rank_durations=args.per_rank_durations,
+                        nvlink_per_link=args.nvlink_per_link, verdict_confirm_after=args.verdict_confirm_after,
                         otlp_endpoint=args.otlp_endpoint, otlp_interval=args.otlp_interval,
                         otlp_protocol=args.otlp_protocol, evidence_dir=args.evidence_dir,
                         evidence_stacks=args.evidence_stacks, web_config=web_config,

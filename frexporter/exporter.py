@@ -13,19 +13,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
-from frexporter import naming
-from frexporter.model import CollectiveStats, NodeSnapshot, RankState, SourceStatus
-from frexporter.sources.base import SourceError
+from frexporter import defaults
+from frexporter.errors import FrexporterError
+from frexporter.model import CollectiveStats, GpuReading, NodeSnapshot, RankState, SourceStatus
+from frexporter.sources.base import Reading, Source
 
 log = logging.getLogger("frexporter.exporter")
-
-
-class Source(Protocol):
-    name: str
-
-    def collect(self) -> Any: ...
 
 
 @dataclass
@@ -33,7 +28,9 @@ class _SourceTrack:
     source: Source
     interval: float
     last_run: float | None = None  # monotonic
-    value: Any = None
+    reading: Reading | None = None  # this poll's, None while the source is down
+    # Cumulative counters outlive a failed poll: dropping them would look like a counter reset.
+    collectives: tuple[CollectiveStats, ...] = ()
     up: bool = False
     duration: float = 0.0
     errors_total: dict[str, int] | None = None
@@ -49,7 +46,7 @@ class Exporter:
     def __init__(
         self,
         sources: list[tuple[Source, float]],
-        poll_interval: float = 1.0,
+        poll_interval: float = defaults.POLL_INTERVAL,
         analyzer: Analyzer | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] | None = None,
@@ -67,8 +64,9 @@ class Exporter:
         self._thread: threading.Thread | None = None
         self.polls = 0
         self.poll_listeners: list[Callable[[NodeSnapshot], None]] = []
-        # Outputs that fail on their own (an OTLP push) report here, so /metrics shows them as sources.
-        self.extra_sources: list[Callable[[], SourceStatus]] = []
+        # Outputs that can fail on their own (an OTLP push) report their health here; it is exported in the
+        # frexporter_source_* families next to the sources', so one alert and one panel cover every part.
+        self.output_statuses: list[Callable[[], SourceStatus]] = []
 
     @property
     def snapshot(self) -> NodeSnapshot:
@@ -85,9 +83,7 @@ class Exporter:
         if self._thread is not None:
             self._thread.join(timeout=10)
         for track in self._tracks:
-            close = getattr(track.source, "close", None)
-            if close is not None:
-                close()
+            track.source.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -106,16 +102,16 @@ class Exporter:
                 track.last_run = mono
         ranks: tuple[RankState, ...] = ()
         collectives: tuple[CollectiveStats, ...] = ()
-        gpus = None
+        gpus: GpuReading | None = None
         for track in self._tracks:
-            if track.source.name == naming.SOURCE_RANKS:
-                # Cumulative counters the ranks source keeps next to its rank states; still valid (and kept
-                # monotonic) through a poll that failed.
-                collectives = getattr(track.source, "collectives", ())
-            if track.source.name == naming.SOURCE_RANKS and track.value is not None:
-                ranks = track.value
-            elif track.source.name == naming.SOURCE_NVML:
-                gpus = track.value if track.up else None
+            collectives += track.collectives
+            reading = track.reading
+            if reading is None:
+                continue
+            if reading.ranks is not None:
+                ranks += reading.ranks
+            if reading.gpus is not None:
+                gpus = reading.gpus
         snapshot = NodeSnapshot(
             time=now,
             hostname=self.hostname,
@@ -131,7 +127,7 @@ class Exporter:
                 )
                 for t in self._tracks
             )
-            + tuple(self._extra_statuses()),
+            + tuple(self._output_statuses()),
             gpus=gpus,
             collectives=collectives,
         )
@@ -149,9 +145,9 @@ class Exporter:
                 log.exception("poll listener failed")
         return snapshot
 
-    def _extra_statuses(self) -> list[SourceStatus]:
+    def _output_statuses(self) -> list[SourceStatus]:
         out = []
-        for status in self.extra_sources:
+        for status in self.output_statuses:
             try:
                 out.append(status())
             except Exception:
@@ -162,26 +158,26 @@ class Exporter:
         started = time.perf_counter()
         errors = track.errors_total if track.errors_total is not None else {}
         try:
-            track.value = track.source.collect()
-            track.up = True
-            track.last_success = now
-            if track.down_logged:
-                log.info("source %s recovered", track.source.name)
-                track.down_logged = False
-        except SourceError as e:
+            reading = track.source.collect()
+        except FrexporterError as e:
             self._down(track, e.reason, str(e))
+            return
         except Exception as e:  # a bug in one source must not take the others down
             self._down(track, "internal", f"{type(e).__name__}: {e}")
             log.debug("source %s raised", track.source.name, exc_info=True)
+            return
         finally:
             track.duration = time.perf_counter() - started
-        for reason, message in getattr(track.source, "errors", ()) or ():
+        track.reading, track.up, track.last_success = reading, True, now
+        if reading.collectives is not None:
+            track.collectives = reading.collectives
+        if track.down_logged:
+            log.info("source %s recovered", track.source.name)
+            track.down_logged = False
+        # Problems inside an otherwise good reading (a corrupt rank file, one GPU counter) count too.
+        for reason, message in reading.problems:
             errors[reason] = errors.get(reason, 0) + 1
             track.last_error = message
-        # Per-field failures inside an otherwise good reading (e.g. one GPU counter) count too.
-        field_errors = getattr(track.value, "field_errors", None) if track.up else None
-        for reason, count in (field_errors or {}).items():
-            errors[reason] = errors.get(reason, 0) + int(count)
         track.errors_total = errors
 
     def _down(self, track: _SourceTrack, reason: str, message: str) -> None:
@@ -189,7 +185,7 @@ class Exporter:
         errors[reason] = errors.get(reason, 0) + 1
         track.errors_total = errors
         track.up = False
-        track.value = None
+        track.reading = None
         track.last_error = message
         if not track.down_logged:
             log.warning("source %s is down: %s", track.source.name, message)

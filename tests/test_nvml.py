@@ -70,7 +70,7 @@ def warnings(caplog: pytest.LogCaptureFixture, text: str = "") -> list[str]:
 
 def test_pynvml_backend_converts_nvml_units_to_base_units() -> None:
     fake = FakePynvml([RawGpu("GPU-aaa")])
-    gpu = make_source(PynvmlBackend(fake)).collect().gpus[0]
+    gpu = make_source(PynvmlBackend(fake)).read().gpus[0]
     assert (gpu.index, gpu.uuid, gpu.name, gpu.lost) == (0, "GPU-aaa", "NVIDIA H100 80GB HBM3", False)
     assert gpu.utilization_ratio == pytest.approx(0.97)
     assert (gpu.memory_used_bytes, gpu.memory_total_bytes) == (60 << 30, 80 << 30)
@@ -104,7 +104,7 @@ def test_pynvml_backend_maps_nvml_errors_and_probes_nvlinks_once() -> None:
     fake = FakePynvml(raw)
     source = make_source(PynvmlBackend(fake))
     for _ in range(3):
-        reading = source.collect()
+        reading = source.read()
     old, gone = reading.gpus
     assert old.ecc_errors is None and old.nvlink_errors is None  # unsupported: absent
     assert old.throttle_reasons == 0x44  # fell back to the pre-535 function
@@ -117,7 +117,7 @@ def test_pynvml_backend_maps_nvml_errors_and_probes_nvlinks_once() -> None:
 
 
 def test_fake_backend_reading_has_every_field() -> None:
-    reading = make_source(FakeGpuBackend([FakeGpu("GPU-a"), FakeGpu("GPU-b")])).collect()
+    reading = make_source(FakeGpuBackend([FakeGpu("GPU-a"), FakeGpu("GPU-b")])).read()
     assert [g.uuid for g in reading.gpus] == ["GPU-a", "GPU-b"]
     assert reading.driver_version == "570.86.15"
     assert reading.timestamp == 1_700_000_000.0
@@ -161,7 +161,7 @@ def test_unsupported_fields_are_absent_without_error_storm(caplog: pytest.LogCap
     )
     source = make_source(backend)
     for _ in range(50):
-        reading = source.collect()
+        reading = source.read()
         assert reading.field_error_count == 0
     assert not warnings(caplog)
     debug_lines = [r for r in caplog.records if "not supported" in r.getMessage()]
@@ -179,7 +179,7 @@ def test_failing_field_is_counted_and_warned_once(caplog: pytest.LogCaptureFixtu
     gpu = FakeGpu("GPU-a", errors={"temperature": GpuBackendError("timeout", "NVML: Timeout")})
     source = make_source(FakeGpuBackend([gpu, FakeGpu("GPU-b")]))
     for _ in range(20):
-        reading = source.collect()
+        reading = source.read()
         assert dict(reading.field_errors) == {"timeout": 1}
     assert reading.gpus[0].temperature_celsius is None
     assert reading.gpus[0].power_watts == 612.5  # the rest of the GPU still read
@@ -191,7 +191,7 @@ def test_gpu_lost_mid_run_keeps_the_others(caplog: pytest.LogCaptureFixture) -> 
     backend = FakeGpuBackend([FakeGpu("GPU-a"), FakeGpu("GPU-b", lost_after_polls=3), FakeGpu("GPU-c")])
     backend.inject_xid(1, 79)
     source = make_source(backend)
-    readings = [source.collect() for _ in range(10)]
+    readings = [source.read() for _ in range(10)]
     assert [r.gpus[1].lost for r in readings[:4]] == [False, False, False, True]
     last = readings[-1]
     a, b, c = last.gpus
@@ -224,7 +224,7 @@ def test_library_missing_raises_source_error_and_logs_once(caplog: pytest.LogCap
     source = make_source(backend, clock)
     for _ in range(600):  # ten minutes at a 1 s poll
         with pytest.raises(SourceError) as info:
-            source.collect()
+            source.read()
         assert info.value.reason == "library_not_found"
         assert "NVIDIA driver mounted" in str(info.value)
         clock.advance(1.0)
@@ -242,7 +242,7 @@ def test_init_failure_retries_with_backoff_then_recovers(caplog: pytest.LogCaptu
     outcomes = []
     for _ in range(20):
         try:
-            source.collect()
+            source.read()
             outcomes.append("ok")
         except SourceError as exc:
             outcomes.append(exc.reason)
@@ -265,7 +265,7 @@ def test_init_failure_retries_with_backoff_then_recovers(caplog: pytest.LogCaptu
 )
 def test_init_failure_reasons(error: Exception, reason: str) -> None:
     with pytest.raises(SourceError) as info:
-        make_source(FakeGpuBackend(init_errors=[error])).collect()
+        make_source(FakeGpuBackend(init_errors=[error])).read()
     assert info.value.reason == reason
 
 
@@ -273,15 +273,15 @@ def test_driver_gone_mid_run_reinitializes(caplog: pytest.LogCaptureFixture) -> 
     clock = FakeClock()
     backend = FakeGpuBackend([FakeGpu("GPU-a")])
     source = make_source(backend, clock)
-    source.collect()
+    source.read()
     backend.count_error = GpuBackendError("driver", "Uninitialized")
     with pytest.raises(SourceError) as info:
-        source.collect()
+        source.read()
     assert info.value.reason == "driver"
     assert backend.calls["shutdown"] == 1 and not backend.initialized
     backend.count_error = None
     clock.advance(5.0)
-    assert source.collect().gpus[0].uuid == "GPU-a"
+    assert source.read().gpus[0].uuid == "GPU-a"
     assert backend.calls["init"] == 2
     assert len(warnings(caplog, "enumeration failed")) == 1
     assert len(warnings(caplog, "recovered")) == 1
@@ -295,11 +295,11 @@ def test_xid_counts_accumulate_across_polls() -> None:
     backend = FakeGpuBackend([FakeGpu("GPU-a"), FakeGpu("GPU-b")])
     source = make_source(backend)
     backend.inject_xid(0, 79, times=2)
-    first = source.collect()
+    first = source.read()
     backend.inject_xid(0, 13)
     backend.inject_xid(1, 48)
-    second = source.collect()
-    third = source.collect()  # no new events: counts stay
+    second = source.read()
+    third = source.read()  # no new events: counts stay
     assert dict(first.gpus[0].xid_errors) == {79: 2}
     assert dict(second.gpus[0].xid_errors) == {79: 2, 13: 1}
     assert dict(third.gpus[0].xid_errors) == {79: 2, 13: 1}
@@ -313,9 +313,9 @@ def test_xid_counts_accumulate_across_polls() -> None:
 def test_pynvml_backend_drains_xid_events_without_blocking() -> None:
     fake = FakePynvml([RawGpu("GPU-a"), RawGpu("GPU-b")])
     source = make_source(PynvmlBackend(fake))
-    source.collect()
+    source.read()
     fake.events += [(1, 79), (1, 79), (0, 31)]
-    reading = source.collect()
+    reading = source.read()
     assert dict(reading.gpus[1].xid_errors) == {79: 2}
     assert dict(reading.gpus[0].xid_errors) == {31: 1}
     assert not fake.events
@@ -324,10 +324,10 @@ def test_pynvml_backend_drains_xid_events_without_blocking() -> None:
 def test_nvlink_sum_does_not_drop_when_a_link_stops_reading() -> None:
     gpu = FakeGpu("GPU-a", nvlink_errors=full_nvlinks(links=4, count=5))
     source = make_source(FakeGpuBackend([gpu]))
-    source.collect()
+    source.read()
     gpu.nvlink_errors = {key: 6 for key in full_nvlinks(links=3)}  # link 3 unreadable now
     totals = {
-        labels[n.L_TYPE]: v for labels, v in samples_by_name(source.collect())[n.GPU_NVLINK_ERRORS_TOTAL]
+        labels[n.L_TYPE]: v for labels, v in samples_by_name(source.read())[n.GPU_NVLINK_ERRORS_TOTAL]
     }
     assert totals == {"replay": 23.0, "recovery": 23.0, "crc_flit": 23.0, "crc_data": 23.0}
 
@@ -346,7 +346,7 @@ def full_reading(gpus: int = 8) -> GpuReading:
     for i in range(gpus):
         backend.inject_xid(i, 79)
         backend.inject_xid(i, 94)
-    return source.collect()
+    return source.read()
 
 
 def test_series_per_gpu_within_budget() -> None:
@@ -408,13 +408,13 @@ def test_real_pynvml_backend() -> None:
     try:
         if _nvml_library_present():
             # A GPU machine: the real path must read every GPU.
-            reading = source.collect()
+            reading = source.read()
             assert reading.gpus and all(g.uuid.startswith("GPU-") for g in reading.gpus)
             assert any(g.memory_total_bytes for g in reading.gpus)
             return
         started = time.monotonic()
         with pytest.raises(SourceError) as info:
-            source.collect()
+            source.read()
         assert info.value.reason == "library_not_found"
         assert time.monotonic() - started < 2.0
     finally:
@@ -433,7 +433,7 @@ def test_importing_the_gpu_path_loads_neither_pynvml_nor_torch() -> None:
 def test_close_shuts_nvml_down() -> None:
     backend = FakeGpuBackend([FakeGpu("GPU-a")])
     source = make_source(backend)
-    source.collect()
+    source.read()
     source.close()
     assert backend.calls["shutdown"] == 1 and not backend.initialized
 
@@ -503,7 +503,7 @@ def test_random_backend_failures_only_raise_source_error(data: st.DataObject) ->
     source = make_source(backend, clock)
     for _ in range(4):
         try:
-            reading = source.collect()
+            reading = source.read()
         except SourceError as exc:
             assert exc.reason in _WHOLE_SOURCE_REASONS
         else:

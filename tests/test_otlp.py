@@ -28,6 +28,7 @@ from frexporter.analysis.verdicts import Verdict
 from frexporter.exporter import Exporter
 from frexporter.model import NodeSnapshot, RemappedRows
 from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.sources.base import Reading
 from tests.harness import REPO, free_port, wait_for
 from tests.test_golden_metrics import fixed_snapshot
 
@@ -384,8 +385,11 @@ def test_exporter_poll_listener_and_background_loop(receiver: Receiver, pushers:
     class Ranks:
         name = n.SOURCE_RANKS
 
-        def collect(self) -> tuple[Any, ...]:
-            return tuple(ranks)
+        def collect(self) -> Reading:
+            return Reading(ranks=tuple(ranks))
+
+        def close(self) -> None:
+            pass
 
     exporter = Exporter([(Ranks(), 0.05)], poll_interval=0.05)
     pusher = OtlpPusher(receiver.endpoint("grpc"), interval=0.2)

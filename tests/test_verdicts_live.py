@@ -91,7 +91,7 @@ def test_exporter_restarted_during_a_hang_has_the_verdict_back_within_two_polls(
     first.app.stop()
     from frexporter.app import build_app
 
-    app = build_app(directory=str(job.spool), port=0, poll_interval=0.2, rank_timeout=1.0, nvml=False,
+    app = build_app(directory=str(job.spool), port=0, poll_interval=0.2, rank_timeout=1.0, sources=(n.SOURCE_RANKS,),
                     stuck_after=2.0, evidence_dir="")
     verdicts_per_poll: list[tuple] = []
     app.exporter.poll_listeners.append(lambda snap: verdicts_per_poll.append(snap.verdicts))

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from frexporter import defaults
 from frexporter.analysis import text
 from frexporter.analysis.findings import (
     Finding,
@@ -61,7 +62,7 @@ RANK_UNRESPONSIVE_KIND = "rank_unresponsive"
 STRAGGLER = "straggler"  # a rank consistently late to a PG's collectives (PGState.lateness_seconds)
 KINDS = (MISSING_RANK, MISMATCH_KIND, STALLED, RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND, STRAGGLER)
 
-DEFAULT_STUCK_AFTER = 60.0
+DEFAULT_STUCK_AFTER = defaults.STUCK_AFTER
 NO_SEQ = -1  # seq of a verdict that names no collective (a down rank nobody waits for yet)
 MAX_DETAIL_RANKS = 16  # per-rank evidence kept in details
 

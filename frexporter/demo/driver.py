@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from frexporter import naming
 from frexporter.app import App, build_app
 from frexporter.demo.rank import HANG_RANK
 from frexporter.model import NodeSnapshot
@@ -68,7 +69,7 @@ def run_demo(ranks: int = 4, keep: bool = False, stuck_after: float = 4.0, out: 
     for name in ("frexporter.outputs.verdict_events", "frexporter.outputs.evidence"):
         logging.getLogger(name).setLevel(logging.ERROR)
     app = build_app(directory=spool, host="127.0.0.1", port=0, poll_interval=0.5, stuck_after=stuck_after,
-                    nvml=False, deep_interval=2.0)
+                    sources=(naming.SOURCE_RANKS,), deep_interval=2.0)
     app.start()
     say(f"exporter listening on http://127.0.0.1:{app.port}/ (try /metrics and /api/v1/status)")
     port = _free_port()

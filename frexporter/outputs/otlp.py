@@ -44,7 +44,7 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client.core import Metric as PromMetric
 
-from frexporter import __version__
+from frexporter import __version__, defaults
 from frexporter import naming as n
 from frexporter.model import NodeSnapshot, SourceStatus
 from frexporter.outputs.prometheus import SnapshotCollector
@@ -53,7 +53,7 @@ log = logging.getLogger("frexporter.otlp")
 
 PROTOCOL_HTTP = "http/protobuf"
 PROTOCOL_GRPC = "grpc"
-DEFAULT_INTERVAL = 15.0
+DEFAULT_INTERVAL = defaults.OTLP_INTERVAL
 DEFAULT_TIMEOUT = 10.0
 SOURCE_OTLP = "otlp"  # `source` label value of frexporter_source_* for this output
 REASON_EXPORT_FAILED = "export_failed"  # the collector refused or could not be reached (after the SDK's retries)

@@ -38,8 +38,9 @@ class _PGFacts:
 
 
 class SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], NodeSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], NodeSnapshot], nvlink_per_link: bool = False) -> None:
         self._snapshot = snapshot
+        self._nvlink_per_link = nvlink_per_link
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -54,7 +55,7 @@ class SnapshotCollector(Collector):
         if snap.gpus is not None:
             from frexporter.outputs.gpu_metrics import gpu_metric_families
 
-            yield from gpu_metric_families(snap.gpus)
+            yield from gpu_metric_families(snap.gpus, nvlink_per_link=self._nvlink_per_link)
 
     @staticmethod
     def _sources(snap: NodeSnapshot) -> Iterator[Metric]:

@@ -17,10 +17,11 @@ log = logging.getLogger("frexporter.outputs.verdict_events")
 
 
 class VerdictEvents:
-    def __init__(self, spool_dir: str, evidence: EvidenceWriter | None, clear_after: float = 0.0) -> None:
+    def __init__(self, spool_dir: str, evidence: EvidenceWriter | None, confirm_after: float = 0.0,
+                 clear_after: float = 0.0) -> None:
         self.spool_dir = spool_dir
         self.evidence = evidence
-        self.tracker = VerdictTracker(clear_after=clear_after)
+        self.tracker = VerdictTracker(confirm_after=confirm_after, clear_after=clear_after)
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="frexporter-evidence")
         self.captures: list[cf.Future[str | None]] = []
 

@@ -27,8 +27,9 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from frexporter import naming
+from frexporter.errors import FrexporterError
 from frexporter.model import NVLINK_ERROR_TYPES, EccErrors, GpuReading, GpuState, RemappedRows
-from frexporter.sources.base import SourceError
+from frexporter.sources.base import Reading, SourceError
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,8 @@ REASON_TIMEOUT = "timeout"
 REASON_INVALID_VALUE = "invalid_value"
 REASON_UNKNOWN = "unknown"
 
-class GpuBackendError(Exception):
+class GpuBackendError(FrexporterError):
     """A backend call failed; ``reason`` is one of the REASON_* tokens."""
-
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(message or reason)
-        self.reason = reason
 
 
 class FieldNotSupported(GpuBackendError):
@@ -236,7 +233,14 @@ class NvmlSource:
         self._nvlink_last: dict[str, dict[tuple[int, str], int]] = {}
         self._logged: set[tuple[str, str, str]] = set()
 
-    def collect(self) -> GpuReading:
+    def collect(self) -> Reading:
+        gpus = self.read()
+        problems = tuple((reason, f"{count} GPU field reads failed ({reason})")
+                         for reason, count in gpus.field_errors.items() for _ in range(count))
+        return Reading(gpus=gpus, problems=problems)
+
+    def read(self) -> GpuReading:
+        """Every GPU, once; raises SourceError when NVML as a whole is unusable."""
         with self._lock:
             if not self._initialized:
                 self._init()

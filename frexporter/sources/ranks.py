@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from frexporter import spool
+from frexporter import defaults, spool
 from frexporter.fr import trace
 from frexporter.fr.domain import DeepView, translate
 from frexporter.model import (
@@ -32,7 +32,7 @@ from frexporter.model import (
     RankState,
 )
 from frexporter.sources import worker_client
-from frexporter.sources.base import SourceError
+from frexporter.sources.base import Reading, SourceError
 from frexporter.sources.collectives import DEFAULT_WINDOW, CollectiveAccumulator, EntryCursor, GroupKey, LatenessTracker
 from frexporter.spool import Manifest, PGEntry, RawPGStatus, Snapshot, SpoolError
 
@@ -43,18 +43,16 @@ DEEP_HANDLERS = {
     spool.RECORDER_FR: ("fr_trace_json", ""),
     spool.RECORDER_NCCL: ("dump_nccl_trace_json", "includecollectives=true&onlyactive=false"),
 }
-# A deep read of a full 2000-entry gloo ring costs its rank ~20 ms of CPU in torch's C++ worker server
-# (docs/recorder-cost.md): reads that only refresh values are spaced this far apart.
-DEFAULT_DEEP_INTERVAL = 15.0
+DEFAULT_DEEP_INTERVAL = defaults.DEEP_INTERVAL
 
 
 @dataclass(frozen=True)
 class RanksConfig:
     directory: str
-    poll_interval: float = 1.0
-    rank_timeout: float = 2.0  # longest any one rank may hold a poll
+    poll_interval: float = defaults.POLL_INTERVAL
+    rank_timeout: float = defaults.RANK_TIMEOUT  # longest any one rank may hold a poll
     deep_interval: float = DEFAULT_DEEP_INTERVAL  # least time between deep reads that only refresh settled values
-    departed_grace: float = 300.0  # keep exporting a dead or exited rank this long
+    departed_grace: float = defaults.DEPARTED_GRACE  # keep exporting a dead or exited rank this long
     max_workers: int = 8
     per_rank_durations: bool = False  # collective durations and bytes per rank instead of per node
     straggler_window: int = DEFAULT_WINDOW  # collectives per rank the lateness score averages over
@@ -134,7 +132,12 @@ class RanksSource:
 
     # ------------------------------------------------------------------ poll
 
-    def collect(self) -> tuple[RankState, ...]:
+    def collect(self) -> Reading:
+        ranks = self.read_ranks()
+        return Reading(ranks=ranks, collectives=self.collectives, problems=tuple(self.errors))
+
+    def read_ranks(self) -> tuple[RankState, ...]:
+        """Every local rank's state this poll; ``errors`` and ``collectives`` are updated alongside."""
         self.errors = []
         now = self.clock()
         mono = self.monotonic()

@@ -278,9 +278,9 @@ def _verdict_summary(doc: Any) -> dict[str, Any]:
 
 class MetricsServer:
     def __init__(self, exporter: Exporter, host: str, port: int, web_config: WebConfig | None = None,
-                 debug_endpoints: bool = False, evidence_dir: str = "") -> None:
+                 debug_endpoints: bool = False, evidence_dir: str = "", nvlink_per_link: bool = False) -> None:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(SnapshotCollector(lambda: exporter.snapshot))
+        registry.register(SnapshotCollector(lambda: exporter.snapshot, nvlink_per_link=nvlink_per_link))
         registry.register(IdentityCollector())
         # Built before binding: a bad certificate or a missing bcrypt must not leave a listening socket behind.
         tls = TLSContextSource(web_config.tls) if web_config is not None and web_config.tls is not None else None

@@ -1,0 +1,18 @@
+"""Every default of the exporter that more than one place needs, spelled once.
+
+The CLI shows them in its help, ``build_app`` and the config dataclasses take them, the chart's values
+mirror them (tests/test_helm.py checks the rendered flags), and the docs quote the CLI's help.
+"""
+
+from __future__ import annotations
+
+LISTEN = ":9477"
+POLL_INTERVAL = 1.0  # seconds between reads of the ranks, independent of scrapes
+STUCK_AFTER = 60.0  # seconds a collective may wait on missing ranks before it is a verdict
+RANK_TIMEOUT = 2.0  # the longest one rank's socket may hold a poll
+# A deep read of a full 2000-entry gloo ring costs its rank ~20 ms of CPU in torch's C++ worker server
+# (docs/recorder-cost.md): reads that only refresh values are spaced this far apart.
+DEEP_INTERVAL = 15.0
+DEPARTED_GRACE = 300.0  # seconds a dead rank stays exported
+NVML_INTERVAL = 5.0  # GPU state changes slowly, and NVML calls are not free
+OTLP_INTERVAL = 15.0
