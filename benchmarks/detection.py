@@ -344,14 +344,14 @@ def print_table(results: list[Result], settings: Settings) -> None:
               f"{r.fault.alert:<27} {_cell(r.alert_s):>7}  {labels}")
     print()
     print(f"Latencies in seconds from the rank acting on the fault (its marker's mtime, or the killed process's "
-          f"exit). '- stuck': verdict latency minus stuck_after ({settings.stuck_after:g}s); DESIGN §4 budget "
-          f"for missing_rank: two exporter polls ({2 * settings.poll_interval:g}s).")
+          f"exit). '- stuck': verdict latency minus stuck_after ({settings.stuck_after:g}s); budget for "
+          f"missing_rank (docs/architecture.md, Budgets): two exporter polls ({2 * settings.poll_interval:g}s).")
     for r in results:
         if r.budget is not None:
             webhook = "-" if r.budget.webhook is None else f"{100 * r.budget.webhook:.1f}%"
             print(f"{BUDGET} ({r.fault.kind}, critical): fired in Prometheus at {100 * r.budget.prometheus:.1f}% "
                   f"and reached the webhook at {webhook} of the {r.budget.timeout:g}s watchdog timeout, counted "
-                  "from the PG's oldest wait (DESIGN §4: before 50%)")
+                  "from the PG's oldest wait (docs/architecture.md, Budgets: before 50%)")
     for r in results:
         for problem in r.problems:
             print(f"PROBLEM {r.fault.kind}: {problem}")

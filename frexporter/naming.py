@@ -44,7 +44,7 @@ RANK_RECORDER_ERRORS_TOTAL = PREFIX + "rank_recorder_errors_total"
 
 # Process groups. The seqs, in-flight and progress series are per rank; a PG's static facts (info,
 # timeout) are the same on every rank, so they are exported once per node, without `rank`: per rank they
-# would cost 2 series per PG per rank for nothing (DESIGN.md §4: at most 40 series per rank).
+# would cost 2 series per PG per rank for nothing (docs/architecture.md, Budgets: at most 40 series per rank).
 PG_INFO = PREFIX + "pg_info"
 PG_LAST_ENQUEUED_SEQ = PREFIX + "pg_last_enqueued_seq"
 PG_LAST_STARTED_SEQ = PREFIX + "pg_last_started_seq"
@@ -58,8 +58,11 @@ PG_LAST_PROGRESS_TIMESTAMP_SECONDS = PREFIX + "pg_last_progress_timestamp_second
 COLLECTIVE_DURATION_SECONDS = PREFIX + "collective_duration_seconds"
 COLLECTIVE_BYTES_TOTAL = PREFIX + "collective_bytes_total"
 
-# Straggler signal (per rank and PG; seconds, despite the name the issue gave it)
-RANK_STRAGGLER_SCORE = PREFIX + "rank_straggler_score"
+# Straggler signal (per rank and PG, in seconds).
+RANK_STRAGGLER_LATENESS_SECONDS = PREFIX + "rank_straggler_lateness_seconds"
+# Deprecated: the same value under its first name, which hid its unit. Exported alongside the new name for one
+# release (CHANGELOG.md), then removed together with this constant.
+RANK_STRAGGLER_SCORE_DEPRECATED = PREFIX + "rank_straggler_score"
 
 # Verdicts
 VERDICT = PREFIX + "verdict"

@@ -75,7 +75,11 @@ __all__ = [
 
 OUT_DIR = REPO / "grafana"
 TAGS = ["frexporter"]
-RUNBOOK_URL = "https://github.com/frexporter/frexporter/blob/main/docs/runbooks/{}.md"
+# Where an alert's runbook lives, relative to the repository root: the canonical rules' runbook_url says the
+# same (tests/test_dashboards.py checks). The Active alerts table links to it under the dashboard variable
+# below, which the Helm chart fills from prometheusRule.runbookBaseURL; frexporter has no address of its own.
+RUNBOOK_PATH = "docs/runbooks/{}.md"
+V_RUNBOOK_BASE = "runbook_base"
 
 UID_JOB = "frexporter-job"
 UID_PG = "frexporter-pg"
@@ -440,7 +444,9 @@ def _cell_links(column: str) -> list[mdash.DynamicConfigValue]:
     elif column == n.L_RANK:
         link = {"title": f"Rank {cell}", "url": _url(UID_RANK, f"var-rank={cell}")}
     elif column == "alertname":
-        link = {"title": f"Runbook for {cell}", "url": RUNBOOK_URL.format(cell), "targetBlank": True}
+        # :raw, since the base is a URL prefix: percent-encoding it would break the link.
+        url = "${" + V_RUNBOOK_BASE + ":raw}/" + RUNBOOK_PATH.format(cell)
+        link = {"title": f"Runbook for {cell}", "url": url, "targetBlank": True}
     else:
         raise ValueError(f"no drill-down for column {column!r}")
     return [mdash.DynamicConfigValue(id_val="links", value=[link])]
@@ -563,7 +569,8 @@ def _state_timeline(mappings: list[mdash.ValueMapping]) -> bstate.Panel:
 class _Board:
     """A dashboard under construction that numbers its panels and records every query."""
 
-    def __init__(self, uid: str, title: str, description: str, variables: Iterable[bdash.QueryVariable]) -> None:
+    def __init__(self, uid: str, title: str, description: str,
+                 variables: Iterable[bdash.QueryVariable | bdash.TextBoxVariable]) -> None:
         self.uid = uid
         self.queries: list[PanelQuery] = []
         self._next_id = 1
@@ -656,6 +663,22 @@ def _job_variable() -> bdash.QueryVariable:
     return _query_variable(V_JOB, "Job", n.RANK_INFO, mdash.VariableSort.ALPHABETICAL_ASC)
 
 
+def _runbook_base_variable() -> bdash.TextBoxVariable:
+    """The URL the repository's files are served under, e.g. https://github.com/ORG/frexporter/blob/v0.1.0:
+    empty here (no address is made up); set it in the dashboard settings or through the Helm chart."""
+    empty = mdash.VariableOption(selected=True, text="", value="")
+    return (
+        bdash.TextBoxVariable(V_RUNBOOK_BASE)
+        .label("Runbook base URL")
+        .description("URL of a frexporter source tree, e.g. https://github.com/ORG/frexporter/blob/v0.1.0: alert "
+                     "names in Active alerts link to docs/runbooks/ALERT.md under it. The Helm chart sets it from "
+                     "prometheusRule.runbookBaseURL.")
+        .default_value("")
+        .current(empty)
+        .options([empty])
+    )
+
+
 def _pg_variable() -> bdash.QueryVariable:
     return _query_variable(V_PG, "Process group", _sel(n.PG_INFO, JOB), mdash.VariableSort.NATURAL_ASC)
 
@@ -693,7 +716,7 @@ def _job_dashboard() -> _Board:
         "frexporter / Job",
         "Is this distributed PyTorch job making progress, and if not: which process group, which rank, "
         "how long until the watchdog kills it. Drill down to a process group or a rank from any table or series.",
-        [_job_variable()],
+        [_job_variable(), _runbook_base_variable()],
     )
     w = 3
     b.row("Health")
@@ -785,7 +808,8 @@ def _job_dashboard() -> _Board:
     b.panel(
         _table(links=("alertname",), no_value="No Frexporter alerts"),
         "Active alerts",
-        "Frexporter alerts pending or firing for this job or its exporters. Click an alert name for its runbook.",
+        "Frexporter alerts pending or firing for this job or its exporters. Click an alert name for its runbook, "
+        "under the Runbook base URL variable (set it in the dashboard settings, or through the Helm chart).",
         [
             Target(
                 f"max {_by('alertname', 'alertstate', 'severity', n.L_PG, n.L_RANK, n.L_SOURCE, 'instance')} "

@@ -154,7 +154,7 @@ def test_dashboard_identity(uid: str) -> None:
 @pytest.mark.parametrize(
     ("uid", "names"),
     [
-        ("frexporter-job", ["datasource", "job_id"]),
+        ("frexporter-job", ["datasource", "job_id", "runbook_base"]),
         ("frexporter-pg", ["datasource", "job_id", "pg"]),
         ("frexporter-rank", ["datasource", "job_id", "rank"]),
     ],
@@ -162,7 +162,7 @@ def test_dashboard_identity(uid: str) -> None:
 def test_variables(uid: str, names: list[str]) -> None:
     variables = _load(uid)["templating"]["list"]
     assert [v["name"] for v in variables] == names
-    datasource, *queries = variables
+    datasource, *queries = [v for v in variables if v["name"] != generate.V_RUNBOOK_BASE]
     assert datasource["type"] == "datasource" and datasource["query"] == "prometheus"
     for variable in queries:
         assert variable["type"] == "query"
@@ -234,6 +234,23 @@ def test_drill_down_links_job_to_pg_to_rank() -> None:
                 assert "${__url_time_range}" in text, text
         (links,) = [link for link in dashboard["links"] if link["type"] == "dashboards"]
         assert links["tags"] == ["frexporter"] and links["includeVars"] and links["keepTime"]
+
+
+def test_runbook_links_follow_the_rules_under_an_empty_base() -> None:
+    """Alert names link to the path the canonical rules give as runbook_url, under the Runbook base URL
+    variable, which ships empty: frexporter has no address, the Helm chart fills it in."""
+    dashboard = _load(generate.UID_JOB)
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == generate.V_RUNBOOK_BASE]
+    assert variable["type"] == "textbox" and variable["query"] == "" and variable["current"]["value"] == ""
+    urls = {text for text in _strings(dashboard["panels"]) if "/docs/runbooks/" in text}
+    assert urls == {"${runbook_base:raw}/docs/runbooks/${__data.fields.alertname}.md"}
+    (url,) = urls
+    alerts = [rule for group in load_rules()["groups"] for rule in group["rules"] if "alert" in rule]
+    assert alerts
+    for alert in alerts:
+        linked = url.replace("${__data.fields.alertname}", alert["alert"])
+        assert linked == "${runbook_base:raw}/" + alert["annotations"]["runbook_url"]
+        assert (REPO / alert["annotations"]["runbook_url"]).is_file()
 
 
 # --- PromQL ---------------------------------------------------------------------

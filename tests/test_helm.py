@@ -354,6 +354,8 @@ def canonical_rules() -> dict[str, Any]:
     pytest.param(ALL_MONITORING, id="daemonset-all-monitoring"),
     pytest.param({"mode": "sidecar", **ALL_MONITORING}, id="sidecar-all-monitoring"),
     pytest.param(NO_MONITORING, id="daemonset-bare"),
+    pytest.param({"prometheusRule": {"enabled": True, "runbookBaseURL": "https://git.example/ml/frexporter/blob/v1"}},
+                 id="runbook-base"),
 ])
 def test_lint_strict(helm: str, tmp_path: Path, values: dict[str, Any]) -> None:
     out = _run_helm(helm, "lint", "--strict", str(CHART), *_values_args(tmp_path, values))
@@ -601,6 +603,59 @@ def test_prometheus_rule_additional_rule_labels(helm: str, tmp_path: Path) -> No
             assert got == want
 
 
+RUNBOOK_BASE = "https://git.example/ml/frexporter/blob/v0.1.0"
+
+
+def _alert_rules(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for g in groups for r in g["rules"] if "alert" in r]
+
+
+def test_prometheus_rule_runbook_urls_default_to_repository_paths(helm: str, tmp_path: Path) -> None:
+    alerts = _alert_rules(one(render(helm, tmp_path, ALL_MONITORING), "PrometheusRule")["spec"]["groups"])
+    assert alerts and all(a["annotations"]["runbook_url"] == f"docs/runbooks/{a['alert']}.md" for a in alerts)
+    assert all((REPO / a["annotations"]["runbook_url"]).is_file() for a in alerts)
+
+
+@pytest.mark.parametrize("base", [RUNBOOK_BASE, RUNBOOK_BASE + "/"])
+def test_prometheus_rule_runbook_base_url(helm: str, jsonschema_mod: Any, tmp_path: Path, base: str) -> None:
+    docs = render_valid(helm, jsonschema_mod, tmp_path,
+                        {"prometheusRule": {"enabled": True, "runbookBaseURL": base}})
+    rendered = one(docs, "PrometheusRule")["spec"]["groups"]
+    canonical = canonical_rules()["groups"]
+    for got, want in zip(_alert_rules(rendered), _alert_rules(canonical), strict=True):
+        assert got["annotations"]["runbook_url"] == f"{RUNBOOK_BASE}/docs/runbooks/{want['alert']}.md"
+        # Nothing else changes.
+        got["annotations"]["runbook_url"] = want["annotations"]["runbook_url"]
+    assert rendered == canonical
+
+
+def test_prometheus_rule_keeps_an_absolute_runbook_url(helm: str, tmp_path: Path) -> None:
+    chart = copy_chart(tmp_path / "frexporter")
+    rules = chart / "files" / "frexporter.rules.yml"
+    own = "https://wiki.example/runbooks/rank-down"
+    rules.write_text(rules.read_text().replace("docs/runbooks/FrexporterRankDown.md", own))
+    docs = render(helm, tmp_path, {"prometheusRule": {"enabled": True, "runbookBaseURL": RUNBOOK_BASE}}, chart=chart)
+    urls = {a["alert"]: a["annotations"]["runbook_url"]
+            for a in _alert_rules(one(docs, "PrometheusRule")["spec"]["groups"])}
+    assert urls["FrexporterRankDown"] == own
+    assert urls["FrexporterRankUnresponsive"] == f"{RUNBOOK_BASE}/docs/runbooks/FrexporterRankUnresponsive.md"
+
+
+def test_dashboards_follow_the_runbook_base_url(helm: str, tmp_path: Path) -> None:
+    docs = render(helm, tmp_path, {"prometheusRule": {"runbookBaseURL": RUNBOOK_BASE + "/"}})
+    data = {k: v for cm in by_kind(docs, "ConfigMap") for k, v in cm["data"].items()}
+    job = json.loads(data.pop("frexporter-job.json"))
+    (variable,) = [v for v in job["templating"]["list"] if v["name"] == "runbook_base"]
+    option = {"selected": True, "text": RUNBOOK_BASE, "value": RUNBOOK_BASE}
+    assert (variable["query"], variable["current"], variable["options"]) == (RUNBOOK_BASE, option, [option])
+    # The rest of the job dashboard is the committed one; the dashboards without the variable ship byte for byte.
+    committed = json.loads((REPO / "grafana" / "frexporter-job.json").read_text())
+    variable.update({"query": "", "current": {**option, "text": "", "value": ""},
+                     "options": [{**option, "text": "", "value": ""}]})
+    assert job == committed
+    assert data and all(text == (REPO / "grafana" / key).read_text().rstrip("\n") for key, text in data.items())
+
+
 def test_dashboards_none_without_files(helm: str, tmp_path: Path) -> None:
     chart = copy_chart(tmp_path / "frexporter")
     shutil.rmtree(chart / "files" / "dashboards", ignore_errors=True)
@@ -637,7 +692,10 @@ def test_dashboards_one_configmap_each(helm: str, jsonschema_mod: Any, tmp_path:
 def test_repo_dashboards_are_rendered(helm: str, tmp_path: Path) -> None:
     sources = sorted(p.name for p in (REPO / "grafana").glob("*.json"))
     docs = render(helm, tmp_path)
-    assert sorted(k for cm in by_kind(docs, "ConfigMap") for k in cm["data"]) == sources
+    data = {k: v for cm in by_kind(docs, "ConfigMap") for k, v in cm["data"].items()}
+    assert sorted(data) == sources
+    # Without a runbook base every dashboard ships byte for byte (the block scalar drops the final newline).
+    assert all(text == (REPO / "grafana" / key).read_text().rstrip("\n") for key, text in data.items())
 
 
 # ---------------------------------------------------------------- values.schema.json
@@ -658,6 +716,8 @@ def test_repo_dashboards_are_rendered(helm: str, tmp_path: Path) -> None:
     ({"spool": {"hostPath": "run/frexporter"}}, "spool.hostPath: Does not match pattern '^/'"),
     ({"spool": {"groupMode": "yes"}}, "spool.groupMode: Invalid type. Expected: boolean, given: string"),
     ({"spool": {"gid": -1}}, "spool.gid: Must be greater than or equal to 0"),
+    ({"prometheusRule": {"runbookBaseURL": "github.com/ml/frexporter"}},
+     "prometheusRule.runbookBaseURL: Does not match pattern"),
 ])
 def test_schema_rejects(helm: str, tmp_path: Path, values: dict[str, Any], message: str) -> None:
     err = render_error(helm, tmp_path, values)

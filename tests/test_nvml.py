@@ -27,7 +27,7 @@ from frexporter.sources.nvml import FieldNotSupported, GpuBackendError, GpuLost,
 from tests.fakes.gpu import NORMAL, FakeGpu, FakeGpuBackend, FakePynvml, RawGpu, full_nvlinks
 
 LOGGER = "frexporter.sources.nvml"
-SERIES_BUDGET_PER_GPU = 30  # DESIGN.md §4
+SERIES_BUDGET_PER_GPU = 30  # docs/architecture.md, Budgets
 
 
 class FakeClock:

@@ -19,7 +19,9 @@ from tests.rulefile import RULES_PATH, SCALE_MARKER, load_rules, parse_duration,
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT_TESTS = sorted((REPO / "tests" / "rules").glob("*.yml"))
-RUNBOOK_URL = "https://github.com/frexporter/frexporter/blob/main/docs/runbooks/{}.md"
+# Repository-relative: where the runbooks are served is the deployment's to say (the Helm chart prefixes
+# prometheusRule.runbookBaseURL), so the canonical file names no address.
+RUNBOOK_PATH = "docs/runbooks/{}.md"
 SEVERITIES = {"info", "warning", "critical"}
 PROMTOOL_TIMEOUT_S = 120
 
@@ -159,8 +161,8 @@ def test_alert_follows_conventions(alert: dict[str, Any]) -> None:
     annotations = alert["annotations"]
     assert annotations["summary"].strip()
     assert "$labels." in annotations["description"]
-    assert annotations["runbook_url"] == RUNBOOK_URL.format(name)
-    runbook = REPO / "docs" / "runbooks" / f"{name}.md"
+    assert annotations["runbook_url"] == RUNBOOK_PATH.format(name)
+    runbook = REPO / annotations["runbook_url"]
     assert runbook.is_file(), runbook
     assert runbook.read_text(encoding="utf-8").startswith(f"# {name}\n")
 

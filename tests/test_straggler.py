@@ -116,8 +116,13 @@ def test_ranks_source_exports_the_score_and_feeds_the_verdict(node_factory: Call
     scores = {r.rank: (r.pgs[0].lateness_seconds, r.pgs[0].lateness_samples) for r in snap.ranks}
     assert scores == {0: (pytest.approx(0.0), 25), 1: (pytest.approx(2.0), 25), 2: (pytest.approx(0.1), 25)}
     parsed = render(snap)
-    assert sample(parsed, n.RANK_STRAGGLER_SCORE, job_id="job", rank="1", pg="0", pg_desc="default_pg") == \
-        pytest.approx(2.0)
+    assert sample(parsed, n.RANK_STRAGGLER_LATENESS_SECONDS, job_id="job", rank="1", pg="0",
+                  pg_desc="default_pg") == pytest.approx(2.0)
+    # The first name stays, with the same value on every series, for one release.
+    for r in ("0", "1", "2"):
+        labels = {"job_id": "job", "rank": r, "pg": "0", "pg_desc": "default_pg"}
+        value = sample(parsed, n.RANK_STRAGGLER_LATENESS_SECONDS, **labels)
+        assert value is not None and sample(parsed, n.RANK_STRAGGLER_SCORE_DEPRECATED, **labels) == value
     v = only_straggler(snap.verdicts)
     assert (v.ranks, v.waiting_ranks, v.pg, v.seq, v.op) == ((1,), (0, 2), "0", -1, "")
     assert "Rank 1 (host node-a, pid 100001) is a straggler on PG 'default_pg' (0)" in v.summary
@@ -209,7 +214,8 @@ def test_real_gloo_job_with_a_late_rank(job_factory: Any, exporter_factory: Any)
     assert seen[0][0] == pytest.approx(0.0, abs=0.02)
     assert seen[1][0] == pytest.approx(late, abs=0.1)
     parsed = metrics(exp.get("/metrics"))
-    assert sample(parsed, n.RANK_STRAGGLER_SCORE, rank="1", pg_desc="default_pg") == pytest.approx(late, abs=0.1)
+    assert sample(parsed, n.RANK_STRAGGLER_LATENESS_SECONDS, rank="1", pg_desc="default_pg") == \
+        pytest.approx(late, abs=0.1)
     # The default floor (1 s) keeps a 0.15 s skew quiet; a lower one names rank 1.
     snap = exp.snapshot
     assert not [v for v in evaluate(snap.ranks, snap.time) if v.kind == STRAGGLER]

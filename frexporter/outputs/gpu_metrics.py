@@ -2,7 +2,7 @@
 
 Every series carries ``gpu`` (NVML index) and ``gpu_uuid``. Absent fields
 produce no sample. At defaults a fully instrumented GPU has 26 series plus one
-per distinct Xid code it has raised (DESIGN §4 budget: 30):
+per distinct Xid code it has raised (budget: 30, docs/architecture.md):
 
 - 8 scalars (utilization, memory used/total, temperature, power, energy,
   SM/memory clock), 5 throttle reasons, 2 ECC, 4 remapped rows,

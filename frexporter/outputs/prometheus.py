@@ -121,10 +121,15 @@ class SnapshotCollector(Collector):
         progress = GaugeMetricFamily(n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS,
                                      "Unix time the completed sequence last advanced (first seen: the newest "
                                      "completed collective's creation time, a lower bound).", labels=labels)
-        straggler = GaugeMetricFamily(n.RANK_STRAGGLER_SCORE,
+        straggler = GaugeMetricFamily(n.RANK_STRAGGLER_LATENESS_SECONDS,
                                       "Seconds the rank enqueues this PG's collectives after its first local peer, "
                                       "mean over recent collectives (slowest tenth left out); only where the node "
                                       "has several ranks of the PG.", labels=labels)
+        # Kept for one release so queries written against the first name keep working (CHANGELOG.md).
+        straggler_old = GaugeMetricFamily(n.RANK_STRAGGLER_SCORE_DEPRECATED,
+                                          f"Deprecated, removed in the next release: use "
+                                          f"{n.RANK_STRAGGLER_LATENESS_SECONDS} (the same value, in seconds).",
+                                          labels=labels)
         static: dict[tuple[str, str, str], _PGFacts] = {}
         for r in snap.ranks:
             for pg in r.pgs:
@@ -145,11 +150,12 @@ class SnapshotCollector(Collector):
                     progress.add_sample(progress.name, key, pg.last_progress)
                 if pg.lateness_seconds is not None:
                     straggler.add_sample(straggler.name, key, pg.lateness_seconds)
+                    straggler_old.add_sample(straggler_old.name, key, pg.lateness_seconds)
         for (job_id, name, desc), facts in static.items():
             info.add_metric([job_id, name, desc, str(facts.size), facts.backend], 1)
             if facts.timeout is not None:
                 timeout.add_metric([job_id, name, desc], facts.timeout)
-        yield from (info, enq, started, done, inflight, oldest, timeout, progress, straggler)
+        yield from (info, enq, started, done, inflight, oldest, timeout, progress, straggler, straggler_old)
 
     @staticmethod
     def _collectives(snap: NodeSnapshot) -> Iterator[Metric]:
