@@ -68,19 +68,22 @@ def build_app(
     per_rank_durations: bool = False,
     web_config: WebConfig | None = None,
     debug_endpoints: bool = False,
+    strict_permissions: bool = False,
 ) -> App:
     """``evidence_dir``: None for ``<spool>/evidence``, "" to capture no evidence. ``per_rank_durations``: label
     collective durations and bytes by rank (one histogram per rank, PG and op) instead of summing the node's.
 
     ``web_config``: TLS and basic auth for every endpoint. ``debug_endpoints`` adds /api/v1/evidence; it
     raises WebConfigError (a ValueError) on a non-loopback ``host`` unless TLS and authentication are on.
+    ``strict_permissions``: the ranks source stops reading (source down) while the spool is open to others,
+    instead of warning.
     """
     if debug_endpoints:
         check_debug_exposure(host, web_config)
     ranks = RanksSource(
         RanksConfig(
             directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval,
-            per_rank_durations=per_rank_durations,
+            per_rank_durations=per_rank_durations, strict_permissions=strict_permissions,
         )
     )
     sources: list[tuple[Source, float]] = [(ranks, poll_interval)]
