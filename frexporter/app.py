@@ -71,6 +71,7 @@ def build_app(
     verdict_confirm_after: float = 0.0,
     web_config: WebConfig | None = None,
     debug_endpoints: bool = False,
+    strict_permissions: bool = False,
 ) -> App:
     """``sources``: names from ``frexporter.sources.SOURCES`` to read. ``evidence_dir``: None for
     ``<spool>/evidence``, "" to capture no evidence. ``per_rank_durations``: label collective durations and
@@ -80,13 +81,15 @@ def build_app(
 
     ``web_config``: TLS and basic auth for every endpoint. ``debug_endpoints`` adds /api/v1/evidence; it
     raises WebConfigError (a ValueError) on a non-loopback ``host`` unless TLS and authentication are on.
+    ``strict_permissions``: the ranks source stops reading (source down) while the spool is open to others,
+    instead of warning.
     """
     if debug_endpoints:
         check_debug_exposure(host, web_config)
     ranks = RanksSource(
         RanksConfig(
             directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval,
-            per_rank_durations=per_rank_durations,
+            per_rank_durations=per_rank_durations, strict_permissions=strict_permissions,
         )
     )
     unknown = set(sources) - {s.name for s in SOURCES}

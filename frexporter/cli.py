@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "non-loopback --listen unless --web-config sets up TLS and authentication")
     serve.add_argument("--strict-permissions", action="store_true",
                        help="refuse to run (exit 2) when the spool directory is writable by others or its files "
-                            "are open to every user, instead of logging a warning")
+                            "are open to every user, and stop reading it (source_up 0) while it becomes so, "
+                            "instead of logging a warning")
     serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
                        help="also push the metrics over OTLP: http://HOST:4318 (HTTP/protobuf) or grpc://HOST:4317")
     serve.add_argument("--otlp-protocol", choices=["http/protobuf", "grpc"], default=None,
@@ -182,7 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
     if spool_pending:
         print(f"frexporter: spool directory {directory} does not exist yet; waiting for ranks to create it",
               file=sys.stderr)
-    elif not _spool_permissions_ok(directory, args.strict_permissions):
+    elif not _spool_permissions_ok(directory, args.strict_permissions, files_only=not args.strict_permissions):
         return 2
     web_config = None
     if args.web_config:
@@ -206,7 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
                         otlp_endpoint=args.otlp_endpoint, otlp_interval=args.otlp_interval,
                         otlp_protocol=args.otlp_protocol, evidence_dir=args.evidence_dir,
                         evidence_stacks=args.evidence_stacks, web_config=web_config,
-                        debug_endpoints=args.enable_debug_endpoints)
+                        debug_endpoints=args.enable_debug_endpoints, strict_permissions=args.strict_permissions)
     except OSError as e:
         print(f"frexporter: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -222,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
     while not done.wait(SPOOL_RECHECK_SECONDS if spool_pending else None):
         if spool_pending and os.path.isdir(directory):
             spool_pending = False
-            if not _spool_permissions_ok(directory, args.strict_permissions):
+            if not _spool_permissions_ok(directory, args.strict_permissions, files_only=not args.strict_permissions):
                 app.stop()
                 return 2
     app.stop()
@@ -238,8 +239,12 @@ def root_warning(euid: int) -> str | None:
             "and for --evidence-stacks grant CAP_SYS_PTRACE rather than root")
 
 
-def _spool_permissions_ok(directory: str, strict: bool) -> bool:
+def _spool_permissions_ok(directory: str, strict: bool, files_only: bool = False) -> bool:
+    """``files_only``: leave the directory's own problems to the ranks source, which reports them (counted) on
+    its first poll and whenever they come back."""
     problems = spool.check_permissions(directory)
+    if files_only:
+        problems = [p for p in problems if p.path != directory]
     for problem in problems:
         if strict:
             print(f"frexporter: unsafe spool permissions: {problem}", file=sys.stderr)

@@ -14,6 +14,7 @@ Per rank (``stem`` = sanitized job id + rank):
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -41,6 +42,9 @@ EVIDENCE_DIRNAME = "evidence"  # the exporter's default evidence location inside
 
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 MAX_SNAPSHOT_BYTES = 1024 * 1024
+# Ranks one exporter tracks: a node runs a few dozen at most, and anyone who can write the spool could
+# otherwise make it parse and keep state for as many manifests as the file system holds.
+MAX_RANKS_PER_NODE = 1024
 # The recorder's snapshot interval unless FREXPORTER_SNAPSHOT_INTERVAL says otherwise; the exporter assumes it
 # for a rank that has written its manifest but not yet its first snapshot (which states its own interval).
 DEFAULT_SNAPSHOT_INTERVAL = 1.0
@@ -134,6 +138,27 @@ class PermissionProblem:
 MAX_CHECKED_ENTRIES = 10000
 
 
+@dataclass(frozen=True)
+class Trust:
+    """Who may own the spool and its sockets, as check_permissions judges it: this user or root in private
+    mode; in group mode, one of this process's groups."""
+
+    group: bool
+    uid: int
+    gids: frozenset[int]
+
+    @staticmethod
+    def current(group: bool | None = None, uid: int | None = None, gids: set[int] | None = None) -> Trust:
+        return Trust(group=group_mode() if group is None else group, uid=os.getuid() if uid is None else uid,
+                     gids=frozenset({os.getgid(), *os.getgroups()} if gids is None else gids))
+
+    def owns(self, st: os.stat_result) -> bool:
+        return st.st_gid in self.gids if self.group else st.st_uid in (self.uid, 0)
+
+    def dir_fix(self, directory: str) -> str:
+        return f"chmod {GROUP_DIR_MODE:o} {directory}" if self.group else f"chmod {DIR_MODE:o} {directory}"
+
+
 def check_permissions(directory: str, group: bool | None = None, uid: int | None = None,
                       gids: set[int] | None = None) -> list[PermissionProblem]:
     """What an exporter about to trust ``directory`` should know: who else can plant or read rank files.
@@ -144,10 +169,7 @@ def check_permissions(directory: str, group: bool | None = None, uid: int | None
     mode (``group`` defaults to FREXPORTER_SPOOL_GROUP) wants it group-owned by one of this process's groups.
     A missing directory is no problem: the ranks create it.
     """
-    group = group_mode() if group is None else group
-    uid = os.getuid() if uid is None else uid
-    gids = ({os.getgid(), *os.getgroups()} if gids is None else gids)
-    want = f"chmod {GROUP_DIR_MODE:o} {directory}" if group else f"chmod {DIR_MODE:o} {directory}"
+    trust = Trust.current(group, uid, gids)
     try:
         st = os.stat(directory)
     except FileNotFoundError:
@@ -157,29 +179,64 @@ def check_permissions(directory: str, group: bool | None = None, uid: int | None
                                   "give this user search permission on the directory and its parents")]
     if not stat.S_ISDIR(st.st_mode):
         return [PermissionProblem(directory, "is not a directory", "remove it, or point --dir at a directory")]
+    return directory_problems(directory, st, trust) + _check_entries(directory, want_group=trust.group)
+
+
+def directory_problems(directory: str, st: os.stat_result, trust: Trust) -> list[PermissionProblem]:
+    """check_permissions' verdict on the directory itself, from a stat of it: the exporter re-checks an fstat
+    of its open directory every poll."""
     problems = []
     mode = stat.S_IMODE(st.st_mode)
-    if group:
-        if st.st_gid not in gids:
+    want = trust.dir_fix(directory)
+    if not trust.owns(st):
+        if trust.group:
             problems.append(PermissionProblem(
                 directory, f"group-mode spool belongs to group {st.st_gid}, which this process is not in",
                 f"chgrp GROUP {directory} (the pods' fsGroup), or run the exporter with that group "
                 "(supplementalGroups)"))
-    elif st.st_uid not in (uid, 0):
-        problems.append(PermissionProblem(
-            directory, f"owned by uid {st.st_uid}, not by this user (uid {uid}) or root",
-            f"chown {uid} {directory}, run the exporter as uid {st.st_uid}, or share it by group "
-            f"({GROUP_ENV}=1 on both sides)"))
+        else:
+            problems.append(PermissionProblem(
+                directory, f"owned by uid {st.st_uid}, not by this user (uid {trust.uid}) or root",
+                f"chown {trust.uid} {directory}, run the exporter as uid {st.st_uid}, or share it by group "
+                f"({GROUP_ENV}=1 on both sides)"))
     if mode & stat.S_IWOTH:
         problems.append(PermissionProblem(
             directory, f"world-writable (mode {mode:o}): any local user can plant a fake rank or replace a socket",
             want))
-    elif mode & stat.S_IWGRP and not group:
+    elif mode & stat.S_IWGRP and not trust.group:
         problems.append(PermissionProblem(
             directory, f"group-writable (mode {mode:o}) in private mode: the group can plant a fake rank",
             f"{want}, or set {GROUP_ENV}=1 on the ranks and the exporter to share it by group on purpose"))
-    problems.extend(_check_entries(directory, want_group=group))
     return problems
+
+
+def writable_by_anyone(path: str, st: os.stat_result) -> PermissionProblem | None:
+    """A rank file or socket every local user may change (or, for a socket, connect to), from a stat the
+    exporter makes anyway when it uses the file."""
+    mode = stat.S_IMODE(st.st_mode)
+    if not mode & stat.S_IWOTH:
+        return None
+    if stat.S_ISSOCK(st.st_mode):
+        return PermissionProblem(path, f"a socket writable by every local user (mode {mode:o}): anyone can "
+                                       "connect and read the rank's Flight Recorder dumps", f"chmod o-rwx {path}")
+    return PermissionProblem(path, f"writable by every local user (mode {mode:o}): anyone can change what this "
+                                   "rank reports", f"chmod o-rwx {path}")
+
+
+def socket_problem(st: os.stat_result, trust: Trust) -> str | None:
+    """Why a spool entry (an lstat of it) must not be connected to, or None: only a socket itself (never a
+    link to one, nor a hard link that may be another service's) whose owner the spool's mode trusts."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link, not a socket"
+    if not stat.S_ISSOCK(st.st_mode):
+        return "not a socket"
+    if st.st_nlink != 1:
+        return f"a socket with {st.st_nlink} hard links (may be another service's)"
+    if not trust.owns(st):
+        if trust.group:
+            return f"a socket of group {st.st_gid}, which this process is not in"
+        return f"a socket owned by uid {st.st_uid}, not by this user (uid {trust.uid}) or root"
+    return None
 
 
 def _check_entries(directory: str, want_group: bool) -> list[PermissionProblem]:
@@ -258,36 +315,66 @@ def write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
         raise
 
 
-def _open_for_reading(path: str) -> int:
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+
+
+def open_regular(name: str, dir_fd: int | None = None, what: str | None = None) -> tuple[int, os.stat_result]:
+    """A descriptor of the regular file ``name`` (relative to ``dir_fd`` when given) and its fstat.
+
+    Everything in the spool can be replaced by whoever may write it, between any check and any use: the file
+    is judged by what was opened, never by an earlier lstat of its name. O_NOFOLLOW refuses a link (to a file
+    elsewhere, readable by the exporter's user but not by the planter); O_NONBLOCK keeps a planted FIFO from
+    blocking the poll in open(); the fstat refuses anything but a regular file, and a file with a second name
+    (a hard link can make a file from outside the spool appear in it).
+    """
+    shown = what or name
     try:
-        # O_NONBLOCK: a FIFO planted under a spool file name must not block the poll loop in open();
-        # the callers' fstat then refuses everything that is not a regular file.
-        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError as e:
-        raise SpoolError("missing", f"{path}: vanished while reading") from e
+        raise SpoolError("missing", f"{shown}: vanished while reading") from e
     except PermissionError as e:
-        raise SpoolError("permission", f"{path}: permission denied") from e
+        raise SpoolError("permission", f"{shown}: permission denied") from e
     except OSError as e:
-        raise SpoolError("io", f"{path}: {e.strerror or e}") from e
+        if e.errno == errno.ELOOP:
+            raise SpoolError("foreign", f"{shown}: a symbolic link; refused") from e
+        raise SpoolError("io", f"{shown}: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpoolError("foreign", f"{shown}: not a regular file")
+        if st.st_nlink != 1:
+            raise SpoolError("foreign", f"{shown}: has {st.st_nlink} names (a hard link from elsewhere?); refused")
+    except OSError as e:
+        os.close(fd)
+        raise SpoolError("io", f"{shown}: {e.strerror or e}") from e
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def read_json_file(path: str, max_bytes: int) -> Any:
     """Read a bounded JSON file, mapping every failure to a SpoolError with a reason."""
-    fd = _open_for_reading(path)
+    return read_json_at(path, max_bytes)[0]
+
+
+def read_json_at(name: str, max_bytes: int, dir_fd: int | None = None,
+                 what: str | None = None) -> tuple[Any, os.stat_result]:
+    """``read_json_file`` of ``name`` relative to ``dir_fd``, and the fstat of the file that was read."""
+    shown = what or name
+    fd, st = open_regular(name, dir_fd, shown)
     try:
+        if st.st_size > max_bytes:
+            raise SpoolError("oversized", f"{shown}: larger than the {max_bytes} byte limit")
         with open(fd, "rb", closefd=False) as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SpoolError("foreign", f"{path}: not a regular file")
             data = f.read(max_bytes + 1)
-    except IsADirectoryError as e:
-        raise SpoolError("foreign", f"{path}: is a directory") from e
     except OSError as e:
-        raise SpoolError("io", f"{path}: {e.strerror or e}") from e
+        raise SpoolError("io", f"{shown}: {e.strerror or e}") from e
     finally:
         os.close(fd)
     if len(data) > max_bytes:
-        raise SpoolError("oversized", f"{path}: larger than the {max_bytes} byte limit")
-    return parse_json_bytes(data, path)
+        raise SpoolError("oversized", f"{shown}: larger than the {max_bytes} byte limit")
+    return parse_json_bytes(data, shown), st
 
 
 def parse_json_bytes(data: bytes, path: str) -> Any:
@@ -431,11 +518,18 @@ def read_snapshot_map_if_new(path: str, known: tuple[int, int] | None,
                              max_bytes: int = MAX_SNAPSHOT_BYTES) -> tuple[tuple[int, int], Any]:
     """``((inode, sequence), object)``; the object is None when ``known`` is still the file's key (nothing
     new since: the exporter polls faster than ranks snapshot, and parsing is the costly part)."""
-    fd = _open_for_reading(path)
+    key, obj, _ = read_snapshot_map_at(path, known, max_bytes)
+    return key, obj
+
+
+def read_snapshot_map_at(name: str, known: tuple[int, int] | None, max_bytes: int = MAX_SNAPSHOT_BYTES,
+                         dir_fd: int | None = None, what: str | None = None
+                         ) -> tuple[tuple[int, int], Any, os.stat_result]:
+    """``read_snapshot_map_if_new`` of ``name`` relative to ``dir_fd``, plus the fstat of the file read (the
+    exporter checks its mode on that, at no extra syscall)."""
+    path = what or name
+    fd, st = open_regular(name, dir_fd, path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SpoolError("foreign", f"{path}: not a regular file")
         if st.st_size > max_bytes + MAP_HEADER_BYTES:
             raise SpoolError("oversized", f"{path}: larger than the {max_bytes} byte limit")
         problem: SpoolError | None = None
@@ -446,13 +540,13 @@ def read_snapshot_map_if_new(path: str, known: tuple[int, int] | None,
             if len(head) == MAP_HEADER_BYTES and head[:8] == _MAP_MAGIC:
                 seq = _MAP_SEQ.unpack_from(head, 8)[0]
                 if known == (st.st_ino, seq) and seq % 2 == 0:
-                    return known, None
+                    return known, None, st
                 length = _MAP_LENGTH_CRC.unpack_from(head, 16)[0]
             data = os.pread(fd, min(st.st_size, MAP_HEADER_BYTES + length), 0)
             payload, problem = _map_payload(data, path, st.st_size)
             if payload is not None:
                 key = (st.st_ino, _MAP_SEQ.unpack_from(data, 8)[0])
-                return key, (None if key == known else parse_json_bytes(payload, path))
+                return key, (None if key == known else parse_json_bytes(payload, path)), st
         assert problem is not None
         raise SpoolError(problem.reason, f"{problem} ({_MAP_READ_ATTEMPTS} reads in a row)")
     except OSError as e:

@@ -1,6 +1,11 @@
 """The ranks source: spool directory + worker-server sockets -> RankState per local rank.
 
 Cheap path every poll: ``stat`` the spool files and re-read only what changed.
+Everything in the spool is untrusted (whoever may write it can plant, link or swap
+any name): files are opened relative to a descriptor of the directory, never through
+a link, and judged by an fstat of what was opened; sockets are connected to only
+when they are what the spool's mode expects; the directory's permissions are checked
+on every poll; warnings are rate-limited per reason while every error is counted.
 Deep path (an FR read over the rank's socket, no GIL needed on the rank's side)
 only when it tells something new: a rank or PG not yet mapped, progress that
 stopped with work in flight, p2p traffic that makes raw sequence numbers
@@ -17,6 +22,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from frexporter import defaults, spool
 from frexporter.fr import trace
@@ -34,9 +40,17 @@ from frexporter.model import (
 from frexporter.sources import worker_client
 from frexporter.sources.base import Reading, SourceError
 from frexporter.sources.collectives import DEFAULT_WINDOW, CollectiveAccumulator, EntryCursor, GroupKey, LatenessTracker
-from frexporter.spool import Manifest, PGEntry, RawPGStatus, Snapshot, SpoolError
+from frexporter.spool import Manifest, PermissionProblem, PGEntry, RawPGStatus, Snapshot, SpoolError
 
 log = logging.getLogger("frexporter.ranks")
+
+# Warnings logged per reason and window; the rest are counted as ever (frexporter_source_errors_total stays
+# exact) and summed up in one line when the window ends: a spool full of junk must not fill the log too.
+LOG_BURST = 10
+LOG_WINDOW = 60.0
+# Socket failures after which a rank counts as having no live socket (a timeout means a wedged one).
+_SOCKET_GONE = ("socket_missing", "socket_refused", "socket_untrusted")
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 # Which worker-server handler returns which recorder's entries (GIL-free C++ handlers only).
 DEEP_HANDLERS = {
@@ -56,6 +70,7 @@ class RanksConfig:
     max_workers: int = 8
     per_rank_durations: bool = False  # collective durations and bytes per rank instead of per node
     straggler_window: int = DEFAULT_WINDOW  # collectives per rank the lateness score averages over
+    strict_permissions: bool = False  # a spool others may write is not read at all (source down), not just warned
 
 
 @dataclass
@@ -69,6 +84,47 @@ class _FileSig:
     @staticmethod
     def of(st: os.stat_result) -> _FileSig:
         return _FileSig(st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class _Throttle:
+    """Warnings rate-limited per key (a reason: a small fixed set), ``burst`` per ``window`` seconds."""
+
+    def __init__(self, logger: logging.Logger, monotonic: Callable[[], float], burst: int = LOG_BURST,
+                 window: float = LOG_WINDOW) -> None:
+        self._log = logger
+        self._monotonic = monotonic
+        self.burst = burst
+        self.window = window
+        self._windows: dict[str, list[Any]] = {}  # key -> [start, logged, held back]
+
+    def log(self, level: int, key: str, msg: str, *args: object) -> None:
+        now = self._monotonic()
+        window = self._windows.get(key)
+        if window is None or now - window[0] >= self.window:
+            if window is not None:
+                self._summarise(key, window, now)
+            window = self._windows[key] = [now, 0, 0]
+        if window[1] < self.burst:
+            window[1] += 1
+            self._log.log(level, msg, *args)
+        else:
+            window[2] += 1
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        self.log(logging.WARNING, key, msg, *args)
+
+    def flush(self) -> None:
+        """Sum up the windows that have ended (called once per poll)."""
+        now = self._monotonic()
+        for key, window in list(self._windows.items()):
+            if now - window[0] >= self.window:
+                self._summarise(key, window, now)
+                del self._windows[key]
+
+    def _summarise(self, key: str, window: list[Any], now: float) -> None:
+        if window[2]:
+            self._log.warning("%d more like these (%s) in the last %.0f s were not logged; "
+                              "frexporter_source_errors_total counts every one", window[2], key, now - window[0])
 
 
 @dataclass
@@ -117,8 +173,14 @@ class RanksSource:
         # that fakes the wall clock gets the same fake for intervals unless it passes its own.
         self.monotonic = monotonic or (time.monotonic if clock is time.time else clock)
         self._ranks: dict[str, _RankTrack] = {}
-        self._bad_files: dict[str, tuple[_FileSig, str]] = {}  # path -> (sig, reason) already reported
-        self._logged: set[tuple[str, str]] = set()
+        # Per name in the spool, (version, reason) of what was reported (version None: a name that is not a spool
+        # file's, counted once). Entries go when their name leaves the spool, as do those of _logged.
+        self._bad_files: dict[str, tuple[_FileSig | None, str]] = {}
+        self._logged: set[tuple[str, str]] = set()  # (stem, reason) of socket failures already logged
+        self._trust = spool.Trust.current()
+        self._throttle = _Throttle(log, self.monotonic)
+        self._problems: list[PermissionProblem] = []  # permission problems found in this poll
+        self._problems_known: set[str] = set()  # those reported, for as long as they last
         self._pool = cf.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="frexporter-sock")
         self.errors: list[tuple[str, str]] = []  # (reason, message) of the current poll
         self._collectives = CollectiveAccumulator(per_rank=config.per_rank_durations)
@@ -139,13 +201,23 @@ class RanksSource:
     def read_ranks(self) -> tuple[RankState, ...]:
         """Every local rank's state this poll; ``errors`` and ``collectives`` are updated alongside."""
         self.errors = []
+        self._throttle.flush()
         now = self.clock()
         mono = self.monotonic()
-        entries = self._scan()
-        self._load_manifests(entries)
-        for track in self._ranks.values():
-            self._load_snapshot(track, entries)
-        self._schedule_socket_work(mono)
+        dfd = self._open_dir()
+        try:
+            self._check_directory(dfd)
+            entries = self._scan(dfd)
+            self._forget_vanished(entries)
+            self._load_manifests(dfd, entries)
+            if self._logged:
+                self._logged = {key for key in self._logged if key[0] in self._ranks}
+            for track in self._ranks.values():
+                self._load_snapshot(dfd, track, entries)
+            self._schedule_socket_work(mono, entries)
+            self._settle_permissions()
+        finally:
+            os.close(dfd)
         self._await_socket_work()
         tracks = sorted(self._ranks.values(), key=lambda t: (t.manifest.job_id, t.manifest.rank))
         states = tuple(s for s in (self._rank_state(track, now, mono) for track in tracks) if s is not None)
@@ -157,61 +229,135 @@ class RanksSource:
 
     # ------------------------------------------------------------------ files
 
-    def _scan(self) -> dict[str, os.DirEntry]:
+    def _path(self, name: str) -> str:
+        return os.path.join(self.config.directory, name)
+
+    def _open_dir(self) -> int:
+        """The spool directory, opened once per poll: every name in it is resolved against this descriptor.
+
+        Its own path may go through links (the administrator's choice); names inside it never do."""
+        directory = self.config.directory
         try:
-            with os.scandir(self.config.directory) as it:
-                return {e.name: e for e in it}
+            return os.open(directory, _DIR_FLAGS)
         except FileNotFoundError as e:
-            raise SourceError("dir_missing", f"spool directory {self.config.directory} does not exist") from e
+            raise SourceError("dir_missing", f"spool directory {directory} does not exist") from e
         except PermissionError as e:
-            raise SourceError("permission", f"spool directory {self.config.directory}: permission denied") from e
+            raise SourceError("permission", f"spool directory {directory}: permission denied") from e
+        except OSError as e:
+            raise SourceError("io", f"spool directory {directory}: {e.strerror or e}") from e
+
+    def _scan(self, dfd: int) -> dict[str, os.DirEntry]:
+        try:
+            with os.scandir(dfd) as it:
+                return {e.name: e for e in it}
         except OSError as e:
             raise SourceError("io", f"spool directory {self.config.directory}: {e.strerror or e}") from e
 
-    def _report(self, path: str, sig: _FileSig, err: SpoolError | SourceError) -> None:
+    def _forget_vanished(self, entries: dict[str, os.DirEntry]) -> None:
+        gone = [name for name in self._bad_files if name not in entries]
+        for name in gone:
+            del self._bad_files[name]
+
+    # ------------------------------------------------------------------ permissions
+
+    def _check_directory(self, dfd: int) -> None:
+        """check_permissions' rules for the directory, on an fstat of the open descriptor: one syscall a poll.
+        (Rank files open to every user are the ranks' privacy, not what this exporter reads: ``serve`` reports
+        those when it starts; here only files anyone may write count, from the stat each one gets anyway.)"""
+        try:
+            st = os.fstat(dfd)
+        except OSError as e:
+            raise SourceError("io", f"spool directory {self.config.directory}: {e.strerror or e}") from e
+        self._problems = spool.directory_problems(self.config.directory, st, self._trust)
+        if self.config.strict_permissions and self._problems:
+            raise self._unsafe(self._problems)
+
+    def _note_mode(self, path: str, st: os.stat_result) -> None:
+        problem = spool.writable_by_anyone(path, st)
+        if problem is not None:
+            self._problems.append(problem)
+
+    def _unsafe(self, problems: list[PermissionProblem]) -> SourceError:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return SourceError("unsafe_permissions", f"unsafe spool permissions: {problems[0]}{more}; "
+                                                 "--strict-permissions: the spool is not read until this is fixed")
+
+    def _settle_permissions(self) -> None:
+        """Problems found in this poll: a refusal under --strict-permissions, else counted and logged once while
+        they last (a problem fixed and back is reported again)."""
+        if self.config.strict_permissions and self._problems:
+            raise self._unsafe(self._problems)
+        current = set()
+        for problem in self._problems:
+            key = str(problem)
+            current.add(key)
+            if key not in self._problems_known:
+                self.errors.append(("unsafe_permissions", f"unsafe spool permissions: {problem}"))
+                self._throttle.warning("unsafe_permissions", "unsafe spool permissions: %s (reason=unsafe_permissions;"
+                                       " --strict-permissions stops reading the spool while it lasts)", problem)
+        self._problems_known = current
+
+    # ------------------------------------------------------------------ files
+
+    def _report(self, name: str, sig: _FileSig | None, err: SpoolError | SourceError) -> None:
         """Count and log a bad file once per version of that file, not once per poll."""
-        known = self._bad_files.get(path)
+        known = self._bad_files.get(name)
         if known is not None and known[0] == sig and known[1] == err.reason:
             return
-        self._bad_files[path] = (sig, err.reason)
+        self._bad_files[name] = (sig, err.reason)
         self.errors.append((err.reason, str(err)))
-        log.warning("%s (reason=%s)", err, err.reason)
+        self._throttle.warning(err.reason, "%s (reason=%s)", err, err.reason)
 
-    def _load_manifests(self, entries: dict[str, os.DirEntry]) -> None:
+    def _load_manifests(self, dfd: int, entries: dict[str, os.DirEntry]) -> None:
         seen_stems = set()
         for name, entry in entries.items():
             if (name.startswith(".") or name == spool.EVIDENCE_DIRNAME
                     or name.endswith((spool.SNAPSHOT_SUFFIX, spool.SNAPSHOT_MAP_SUFFIX, spool.SOCKET_SUFFIX))):
                 continue
-            path = entry.path
+            path = self._path(name)
+            if not name.endswith(spool.MANIFEST_SUFFIX):
+                # Not a spool file's name: counted once per name, without a syscall (there may be any number).
+                if name not in self._bad_files:
+                    self._report(name, None, SpoolError("foreign", f"{path}: not a frexporter spool file; ignored"))
+                continue
             try:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
             sig = _FileSig.of(st)
-            if not name.endswith(spool.MANIFEST_SUFFIX):
-                self._report(path, sig, SpoolError("foreign", f"{path}: not a frexporter spool file; ignored"))
-                continue
             stem = name[: -len(spool.MANIFEST_SUFFIX)]
             seen_stems.add(stem)
-            if not stat.S_ISREG(st.st_mode):
-                self._report(path, sig, SpoolError("foreign", f"{path}: not a regular file; ignored"))
+            if stat.S_ISLNK(st.st_mode):
+                self._report(name, sig, SpoolError("foreign", f"{path}: a symbolic link; refused"))
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                self._report(name, sig, SpoolError("foreign", f"{path}: not a regular file; ignored"))
+                continue
+            self._note_mode(path, st)
             track = self._ranks.get(stem)
             if track is not None and track.manifest_sig == sig:
                 continue
-            if self._bad_files.get(path, (None,))[0] == sig:
+            known = self._bad_files.get(name)
+            if known is not None and known[0] == sig and known[1] != "too_many_ranks":
+                continue
+            if track is None and len(self._ranks) >= spool.MAX_RANKS_PER_NODE:
+                limit = spool.MAX_RANKS_PER_NODE
+                self._report(name, sig, SpoolError("too_many_ranks",
+                                                   f"{path}: ignored, this exporter already tracks {limit} ranks"))
                 continue
             try:
-                manifest = spool.parse_manifest(spool.read_json_file(path, spool.MAX_MANIFEST_BYTES), path)
+                # What was opened decides, not the lstat above: the name may have been swapped since.
+                obj, st = spool.read_json_at(name, spool.MAX_MANIFEST_BYTES, dfd, path)
+                sig = _FileSig.of(st)
+                manifest = spool.parse_manifest(obj, path)
             except SpoolError as e:
-                self._report(path, sig, e)
+                self._report(name, sig, e)
                 continue
-            self._bad_files.pop(path, None)
+            self._bad_files.pop(name, None)
             if track is None or track.manifest.pid != manifest.pid or track.manifest.start_time != manifest.start_time:
                 if track is not None:
-                    log.info("rank %d of job %s restarted (pid %d -> %d); state reset",
-                             manifest.rank, manifest.job_id, track.manifest.pid, manifest.pid)
+                    self._throttle.log(logging.INFO, "restarted", "rank %d of job %s restarted (pid %d -> %d); "
+                                       "state reset", manifest.rank, manifest.job_id, track.manifest.pid, manifest.pid)
                 # Until its first snapshot, a rank counts as fresh from when it wrote its manifest: the
                 # recorder writes both in one tick, and a rank caught between the two is starting, not wedged.
                 born = self.monotonic() - max(0.0, self.clock() - sig.mtime_ns / 1e9)
@@ -223,33 +369,49 @@ class RanksSource:
             if stem not in seen_stems:
                 del self._ranks[stem]
 
-    def _load_snapshot(self, track: _RankTrack, entries: dict[str, os.DirEntry]) -> None:
-        # A mapped snapshot changes in place (no new mtime to go by): read it every poll. A JSON one
-        # (recorders before the mapped format) is replaced per snapshot: read it when it changed.
-        mapped = entries.get(track.stem + spool.SNAPSHOT_MAP_SUFFIX)
-        entry = mapped or entries.get(track.stem + spool.SNAPSHOT_SUFFIX)
+    def _load_snapshot(self, dfd: int, track: _RankTrack, entries: dict[str, os.DirEntry]) -> None:
+        # A mapped snapshot changes in place (no new mtime to go by): read it every poll, one open + fstat +
+        # pread of its header. A JSON one (recorders before the mapped format) is replaced per snapshot: read
+        # it when its lstat changed.
+        name = track.stem + spool.SNAPSHOT_MAP_SUFFIX
+        entry = entries.get(name)
+        mapped = entry is not None
         if entry is None:
-            return
+            name = track.stem + spool.SNAPSHOT_SUFFIX
+            entry = entries.get(name)
+            if entry is None:
+                return
+        path = self._path(name)
+        sig: _FileSig | None = None
         try:
-            sig = _FileSig.of(entry.stat(follow_symlinks=False))
-        except OSError:
-            return
-        if mapped is None and sig == track.snapshot_sig:
-            return
-        try:
-            if mapped is not None:
-                key, obj = spool.read_snapshot_map_if_new(entry.path, track.snapshot_map_key)
+            if mapped:
+                if entry.is_symlink():  # from the directory entry's type: no syscall
+                    raise SpoolError("foreign", f"{path}: a symbolic link; refused")
+                key, obj, st = spool.read_snapshot_map_at(name, track.snapshot_map_key, dir_fd=dfd, what=path)
+                sig = _FileSig.of(st)
+                self._note_mode(path, st)
                 if obj is None:
                     return
                 track.snapshot_map_key = key
             else:
-                obj = spool.read_json_file(entry.path, spool.MAX_SNAPSHOT_BYTES)
-            snap = spool.parse_snapshot(obj, entry.path)
+                st = entry.stat(follow_symlinks=False)
+                sig = _FileSig.of(st)
+                if stat.S_ISLNK(st.st_mode):
+                    raise SpoolError("foreign", f"{path}: a symbolic link; refused")
+                self._note_mode(path, st)
+                known = self._bad_files.get(name)
+                if sig == track.snapshot_sig or (known is not None and known[0] == sig):
+                    return
+                obj, st = spool.read_json_at(name, spool.MAX_SNAPSHOT_BYTES, dfd, path)
+                sig = _FileSig.of(st)
+            snap = spool.parse_snapshot(obj, path)
         except SpoolError as e:
-            self._report(entry.path, sig, e)
+            self._report(name, sig or self._lstat_sig(entry), e)
             return
+        except OSError:
+            return  # gone since the scan
         track.snapshot_sig = sig
-        self._bad_files.pop(entry.path, None)
+        self._bad_files.pop(name, None)
         if snap.pid != track.manifest.pid:
             return  # a snapshot of a previous incarnation, or of a rank that restarted before its manifest
         if track.snapshot is None:
@@ -260,12 +422,14 @@ class RanksSource:
             track.last_fresh = self.monotonic()
         track.snapshot = snap
 
-    # ------------------------------------------------------------------ sockets
-
-    def _socket_path(self, track: _RankTrack) -> str | None:
-        if not track.manifest.socket:
+    @staticmethod
+    def _lstat_sig(entry: os.DirEntry) -> _FileSig | None:
+        try:
+            return _FileSig.of(entry.stat(follow_symlinks=False))
+        except OSError:
             return None
-        return os.path.join(self.config.directory, track.manifest.socket)
+
+    # ------------------------------------------------------------------ sockets
 
     def _stale(self, track: _RankTrack, mono: float) -> bool:
         snap = track.snapshot
@@ -275,18 +439,53 @@ class RanksSource:
         allowed = max(3 * interval, 1.0) + self.config.poll_interval
         return mono - track.last_fresh > allowed
 
-    def _schedule_socket_work(self, mono: float) -> None:
+    def _schedule_socket_work(self, mono: float, entries: dict[str, os.DirEntry]) -> None:
         for track in self._ranks.values():
-            path = self._socket_path(track)
-            if path is None:
+            name = track.manifest.socket
+            if not name:
                 continue
             if track.snapshot is not None and track.snapshot.state == "exiting":
                 continue
             stale = self._stale(track, mono)
-            if stale and track.ping_pending is None and track.deep_pending is None:
-                track.ping_pending = self._pool.submit(worker_client.ping, path, self.config.rank_timeout)
-            if track.deep_pending is None and self._wants_deep_read(track, mono, stale):
+            ping = stale and track.ping_pending is None and track.deep_pending is None
+            deep = track.deep_pending is None and self._wants_deep_read(track, mono, stale)
+            if not (ping or deep) or not self._socket_usable(track, name, entries.get(name)):
+                continue
+            path = self._path(name)
+            if ping:
+                track.ping_pending = self._pool.submit(worker_client.ping, path, self.config.rank_timeout, self._trust)
+            if deep:
                 track.deep_pending = self._pool.submit(self._deep_read, track.manifest, path)
+
+    def _socket_usable(self, track: _RankTrack, name: str, entry: os.DirEntry | None) -> bool:
+        """Whether a rank's socket may be connected to: a socket (not a link to one) owned as the spool's mode
+        expects. The connecting thread checks again and verifies the peer; this check refuses a bad socket once
+        per version, without a thread or a connection. A missing one is left to the connect (socket_missing)."""
+        if not name.endswith(spool.SOCKET_SUFFIX):
+            # Not a socket's name (a manifest may name any file in the spool): a fault of this manifest version.
+            self._report(track.stem + spool.MANIFEST_SUFFIX, track.manifest_sig, SourceError(
+                "socket_untrusted", f"{self._path(track.stem + spool.MANIFEST_SUFFIX)}: its socket {name[:64]!r} "
+                                    f"is not named *{spool.SOCKET_SUFFIX}; not connecting"))
+            track.socket_alive = False
+            return False
+        if entry is None:
+            return True
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            return True
+        path = self._path(name)
+        problem = spool.socket_problem(st, self._trust)
+        if problem is not None:
+            self._report(name, _FileSig.of(st), SourceError("socket_untrusted", f"{path}: {problem}; not connecting"))
+            track.socket_alive = False
+            return False
+        self._bad_files.pop(name, None)
+        exposed = spool.writable_by_anyone(path, st)
+        if exposed is not None:
+            self._problems.append(exposed)
+            return not self.config.strict_permissions
+        return True
 
     def _wants_deep_read(self, track: _RankTrack, mono: float, stale: bool) -> bool:
         if not track.manifest.recorders:
@@ -326,7 +525,7 @@ class RanksSource:
             handler, query = DEEP_HANDLERS.get(recorder, ("", ""))
             if not handler or (manifest.handlers and handler not in manifest.handlers):
                 continue
-            obj = worker_client.post_json(path, handler, self.config.rank_timeout, query)
+            obj = worker_client.post_json(path, handler, self.config.rank_timeout, query, trust=self._trust)
             try:
                 dumps[recorder] = trace.parse_dump(obj, f"{path} {handler}")
             except SpoolError as e:
@@ -344,7 +543,7 @@ class RanksSource:
                 try:
                     track.socket_alive = bool(future.result())
                 except SourceError as e:
-                    track.socket_alive = e.reason not in ("socket_missing", "socket_refused")
+                    track.socket_alive = e.reason not in _SOCKET_GONE
                     self._log_once(track, e)
             if track.deep_pending is not None and track.deep_pending.done():
                 future, track.deep_pending = track.deep_pending, None
@@ -353,7 +552,7 @@ class RanksSource:
                     track.deep_mono = mono
                     track.socket_alive = True
                 except SourceError as e:
-                    if e.reason in ("socket_missing", "socket_refused"):
+                    if e.reason in _SOCKET_GONE:
                         track.socket_alive = False
                     track.deep_time, track.deep_mono = now, mono  # do not hammer a failing socket every poll
                     self._log_once(track, e)
@@ -366,8 +565,8 @@ class RanksSource:
         key = (track.stem, err.reason)
         if key not in self._logged:
             self._logged.add(key)
-            log.warning("rank %d of job %s: %s (reason=%s; logged once)", track.manifest.rank,
-                        track.manifest.job_id, err, err.reason)
+            self._throttle.warning(err.reason, "rank %d of job %s: %s (reason=%s; logged once)", track.manifest.rank,
+                                   track.manifest.job_id, err, err.reason)
 
     def _absorb_deep(self, track: _RankTrack, dumps: dict[str, trace.FrDump], now: float) -> None:
         track.deep_time = now

@@ -5,25 +5,71 @@ Only C++ handlers that answer without the GIL are called from the poll loop
 ``Content-Length: 0`` (older torch hangs without it), has a hard deadline for the
 whole exchange (a server that accepts and never answers cannot hold us), and a
 response size cap.
+
+The socket's name comes from the spool, which is untrusted: only a socket itself (not a link to one)
+owned as the spool's mode expects is connected to, and the peer must be the socket file's owner before a
+byte is sent (SO_PEERCRED), which closes the race of a name swapped between the check and the connect.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
+import struct
 import time
 from typing import Any
 
+from frexporter import spool
 from frexporter.sources.base import SourceError
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+
+
+def trusted_owner(path: str, trust: spool.Trust) -> int:
+    """The uid owning the socket at ``path`` when it may be connected to; SourceError otherwise.
+
+    lstat: ``path``'s last component is a name from the spool, never followed.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as e:
+        raise SourceError("socket_missing", f"{path}: no such socket") from e
+    except PermissionError as e:
+        raise SourceError("permission", f"{path}: permission denied") from e
+    except OSError as e:
+        raise SourceError("socket_error", f"{path}: {e.strerror or e}") from e
+    problem = spool.socket_problem(st, trust)
+    if problem is not None:
+        raise SourceError("socket_untrusted", f"{path}: {problem}; not connecting")
+    return st.st_uid
+
+
+def _check_peer(sock: socket.socket, path: str, owner: int) -> None:
+    """The process that accepted is the socket file's owner: a name swapped for a link to another service's
+    socket after ``trusted_owner`` looked at it is caught here, before anything is sent."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:  # not Linux: the lstat check alone
+        return
+    try:
+        _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _UCRED.size))
+    except OSError as e:
+        raise SourceError("socket_error", f"{path}: {e.strerror or e}") from e
+    if uid != owner:
+        raise SourceError("socket_untrusted", f"{path}: answered by uid {uid}, but the socket belongs to uid "
+                                              f"{owner} (replaced while connecting?); nothing sent")
 
 
 def post(path: str, handler: str, timeout: float, query: str = "",
-         max_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
-    """POST /handler/<name> and return the body, or raise SourceError with a reason."""
+         max_bytes: int = MAX_RESPONSE_BYTES, trust: spool.Trust | None = None) -> bytes:
+    """POST /handler/<name> and return the body, or raise SourceError with a reason.
+
+    ``trust``: whose sockets may be used (default: check_permissions' rules for this process).
+    """
     deadline = time.monotonic() + timeout
+    owner = trusted_owner(path, trust or spool.Trust.current())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -40,6 +86,7 @@ def post(path: str, handler: str, timeout: float, query: str = "",
         except OSError as e:
             reason = "socket_refused" if e.errno in (errno.ECONNREFUSED, errno.ENOTSOCK) else "socket_error"
             raise SourceError(reason, f"{path}: {e.strerror or e}") from e
+        _check_peer(sock, path, owner)
         target = f"/handler/{handler}" + (f"?{query}" if query else "")
         request = (
             f"POST {target} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n"
@@ -158,13 +205,13 @@ def _dechunk(body: bytes, path: str) -> bytes:
         pos = start + size + 2
 
 
-def post_json(path: str, handler: str, timeout: float, query: str = "") -> Any:
-    body = post(path, handler, timeout, query)
+def post_json(path: str, handler: str, timeout: float, query: str = "", trust: spool.Trust | None = None) -> Any:
+    body = post(path, handler, timeout, query, trust=trust)
     try:
         return json.loads(body)
     except ValueError as e:
         raise SourceError("bad_response", f"{path}: {handler} returned invalid JSON") from e
 
 
-def ping(path: str, timeout: float) -> bool:
-    return post(path, "ping", timeout).strip() == b"pong"
+def ping(path: str, timeout: float, trust: spool.Trust | None = None) -> bool:
+    return post(path, "ping", timeout, trust=trust).strip() == b"pong"
