@@ -6,17 +6,19 @@ flagged, never silently; counts such as a PG's ``size`` stay whole.
 
 from __future__ import annotations
 
+import dataclasses
 import html
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from frexporter import __version__
+from frexporter.analysis.verdicts import Verdict
 from frexporter.model import NodeSnapshot, PGState, RankState
 
 MAX_LISTED_MEMBERS = 64  # member ranks per process group (its "size" is the whole count)
 MAX_LISTED_RANKS = 256  # ranks of the node
 MAX_LISTED_RANK_PGS = 256  # process groups per rank
-MAX_LISTED_PGS = 1024  # process groups over all ranks, in rank order (and (job, PG) groups of the node view)
+MAX_LISTED_PGS = 1024  # process groups over all ranks, in rank order (the node view sums up the same ones)
 MAX_LISTED_VERDICTS = 256
 MAX_LISTED_ITEMS = 64  # any list inside a verdict, and entries of a rank's recorder error map
 MAX_LISTED_SHAPES = 4  # tensor shapes (and dtypes) of a PG's oldest in-flight collective
@@ -94,30 +96,34 @@ def _rank_json(r: RankState, pgs: tuple[PGState, ...], now: float) -> dict[str, 
     return out
 
 
-def _process_groups(snap: NodeSnapshot) -> tuple[list[dict[str, Any]], bool]:
-    """Per (job, PG) across the local ranks: who is where, and the skew between them; and whether any
-    (job, PG) was left out."""
+def _process_groups(snap: NodeSnapshot, listed: list[tuple[RankState, tuple[PGState, ...]]]
+                    ) -> tuple[list[dict[str, Any]], bool]:
+    """Per (job, PG) across the local ranks: who is where, and the skew between them. Made of the (rank, PG)
+    pairs the rank view lists; a pair left out flags its group, or the whole view when its group is not listed."""
     groups: dict[tuple[str, str], dict[str, Any]] = {}
-    cut = False
-    for r in snap.ranks:
-        for pg in r.pgs:
+    for r, pgs in listed:
+        for pg in pgs:
             g = groups.get((r.job_id, pg.name))
             if g is None:
-                if len(groups) >= MAX_LISTED_PGS:
-                    cut = True
-                    continue
                 g = groups[(r.job_id, pg.name)] = {"job_id": r.job_id, "pg": pg.name, "pg_desc": pg.desc,
                                                    "size": pg.size}
                 _cut(g, "ranks", pg.ranks, MAX_LISTED_MEMBERS)
                 g["local_ranks"] = {}
-            if len(g["local_ranks"]) >= MAX_LISTED_RANKS:
-                g["local_ranks" + TRUNCATED] = True
-                continue
+                g["local_ranks" + TRUNCATED] = False
             g["local_ranks"][str(r.rank)] = {
                 "last_enqueued_seq": pg.last_enqueued,
                 "last_completed_seq": pg.last_completed,
                 "inflight_collectives": pg.inflight_count,
             }
+    shown = {id(r): len(pgs) for r, pgs in listed}
+    cut = False
+    for r in snap.ranks:
+        for pg in r.pgs[shown.get(id(r), 0):]:
+            g = groups.get((r.job_id, pg.name))
+            if g is None:
+                cut = True
+            else:
+                g["local_ranks" + TRUNCATED] = True
     out = []
     for g in groups.values():
         enq = [v["last_enqueued_seq"] for v in g["local_ranks"].values()]
@@ -127,7 +133,7 @@ def _process_groups(snap: NodeSnapshot) -> tuple[list[dict[str, Any]], bool]:
 
 
 def _bounded(value: Any) -> Any:
-    """A verdict's JSON with every list cut to MAX_LISTED_ITEMS, flagged next to it where it sits in an object."""
+    """JSON with every list cut to MAX_LISTED_ITEMS, flagged next to it where it sits in an object."""
     if isinstance(value, dict):
         out: dict[str, Any] = {}
         for key, item in value.items():
@@ -140,9 +146,27 @@ def _bounded(value: Any) -> Any:
     return value
 
 
+def _precut(value: Any) -> Any:
+    """``value`` with every collection cut to one past MAX_LISTED_ITEMS: enough for ``_bounded`` to flag it,
+    without turning a verdict's 100,000 unobserved ranks into JSON first."""
+    if isinstance(value, Mapping):  # the engine bounds its maps (MAX_DETAIL_RANKS), not its lists
+        return {k: _precut(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        value = sorted(value)
+    if isinstance(value, (list, tuple)):
+        return [_precut(v) for v in value[:MAX_LISTED_ITEMS + 1]]
+    return value
+
+
+def _verdict_json(v: Verdict) -> dict[str, Any]:
+    cut = dataclasses.replace(v, ranks=tuple(v.ranks[:MAX_LISTED_ITEMS + 1]),
+                              waiting_ranks=tuple(v.waiting_ranks[:MAX_LISTED_ITEMS + 1]), details=_precut(v.details))
+    return _bounded(cut.to_json())
+
+
 def status_json(snap: NodeSnapshot) -> dict[str, Any]:
     listed = list(_listed(snap.ranks[:MAX_LISTED_RANKS]))
-    groups, groups_cut = _process_groups(snap)
+    groups, groups_cut = _process_groups(snap, listed)
     return {
         "version": __version__,
         "hostname": snap.hostname,
@@ -152,7 +176,7 @@ def status_json(snap: NodeSnapshot) -> dict[str, Any]:
         "ranks" + TRUNCATED: len(snap.ranks) > MAX_LISTED_RANKS,
         "process_groups": groups,
         "process_groups" + TRUNCATED: groups_cut,
-        "verdicts": [_bounded(v.to_json()) for v in snap.verdicts[:MAX_LISTED_VERDICTS]],
+        "verdicts": [_verdict_json(v) for v in snap.verdicts[:MAX_LISTED_VERDICTS]],
         "verdicts_total": len(snap.verdicts),
         "verdicts" + TRUNCATED: len(snap.verdicts) > MAX_LISTED_VERDICTS,
         "sources": [
