@@ -71,8 +71,9 @@ class _Group:
 
     @property
     def members(self) -> tuple[int, ...] | Members:
-        # ``declared`` is canonical: when it lists every rank with state, it is the answer without a copy.
-        if all(r in self.declared for r in self.states):
+        # A packed list is canonical and answers ``in`` by bisection: when it lists every rank with state, it is
+        # the answer without a copy (a tuple would take a scan per rank, quadratic in a complete view).
+        if isinstance(self.declared, Members) and all(r in self.declared for r in self.states):
             return self.declared
         return tuple(sorted(set(self.declared) | set(self.states)))
 
