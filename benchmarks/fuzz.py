@@ -232,6 +232,8 @@ def hostile_pickles() -> list[bytes]:
         {**pickle_dump_doc(), "entries": [{**GLOO_ENTRY, "process_group": (_dag(60), "x")},
                                           {**GLOO_ENTRY, "input_dtypes": [_dag(60)]}]},
         {**pickle_dump_doc(), "entries": [GLOO_ENTRY] * 1000},  # memo refs: 1000 entries from 2 bytes each
+        # ... each with the same 1024 shapes: 20 million tensor size values from a few kilobytes
+        {**pickle_dump_doc(), "entries": [{**GLOO_ENTRY, "input_sizes": [[1]] * 1024}] * 10_000},
         {**pickle_dump_doc(), "version": 10**5000, "pg_status": {10**5000: {"last_enqueued_collective": 10**400}}},
     ]
     out = []
@@ -280,6 +282,92 @@ def _json(doc: object) -> bytes:
     return json.dumps(doc).encode()
 
 
+# ------------------------------------------------------------------------------------------ bounds
+#
+# Documents with one list or string at a parser's bound (``over=0``: accepted) or one past it (``over=1``:
+# refused with a spool.LIMIT_REASONS reason). Each is cheap enough for the per-case CPU budget, except a
+# dump at MAX_ENTRIES (tests/test_spool_bounds.py has it): only one past that bound is generated.
+
+
+def _with_pg0(doc: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    doc["process_groups"][0].update(fields)
+    return doc
+
+
+def _set_status(doc: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    if doc["format"] == spool.SNAPSHOT_MAP_FORMAT:
+        status = {r: {"version": "2.10", "pg_config": {}, "pg_status": st} for r, st in status.items()}
+    doc["status"] = status
+    return doc
+
+
+_PG_STATUS = {"last_enqueued_collective": "2", "last_started_collective": "-1", "last_completed_collective": "1"}
+_TEXT_FIELDS = ("job_id", "hostname", "torch_version", "gpu_uuid", "socket")
+_NAME_LISTS = ("handlers", "recorders", "backends")
+
+MANIFEST_BOUNDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
+    "members": lambda d, over: _with_pg0(d, ranks=list(range(spool.MAX_PG_MEMBERS + over))),
+    "total_members": lambda d, over: {**d, "process_groups": [
+        {"name": str(i), "ranks": [0] * (spool.MAX_MANIFEST_MEMBERS // 4 + (over if i == 3 else 0))}
+        for i in range(4)]},
+    "groups": lambda d, over: {**d, "process_groups": [{"name": str(i), "ranks": []}
+                                                       for i in range(spool.MAX_PGS + over)]},
+    "rank_value": lambda d, over: _with_pg0(d, ranks=[0, spool.MAX_RANK + over]),
+    **{f"text_{f}": (lambda d, over, f=f: {**d, f: "x" * (spool.MAX_TEXT_CHARS + over)}) for f in _TEXT_FIELDS},
+    **{f"pg_{f}": (lambda d, over, f=f: _with_pg0(d, **{f: "x" * (spool.MAX_TEXT_CHARS + over)}))
+       for f in ("name", "desc", "backend")},
+    **{f"list_{f}": (lambda d, over, f=f: {**d, f: ["fr"] * (spool.MAX_NAMES + over)}) for f in _NAME_LISTS},
+    **{f"name_{f}": (lambda d, over, f=f: {**d, f: ["x" * (spool.MAX_TEXT_CHARS + over)]}) for f in _NAME_LISTS},
+    "local_ids": lambda d, over: _with_pg0(d, local_ids={f"r{i}": i for i in range(spool.MAX_NAMES + over)}),
+}
+SNAPSHOT_BOUNDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
+    "pg_status": lambda d, over: _set_status(d, {"fr": {str(i): _PG_STATUS for i in range(spool.MAX_PGS + over)}}),
+    "recorders": lambda d, over: _set_status(d, {f"r{i}": {} for i in range(spool.MAX_RECORDERS + over)}),
+    "recorder_name": lambda d, over: _set_status(d, {"x" * (spool.MAX_TEXT_CHARS + over): {}}),
+    "errors": lambda d, over: {**d, "errors": {f"e{i}": 1 for i in range(spool.MAX_ERROR_KINDS + over)}},
+    "error_kind": lambda d, over: {**d, "errors": {"e" * (spool.MAX_ERROR_KIND_CHARS + over): 1}},
+    "state": lambda d, over: {**d, "state": "x" * (spool.MAX_TEXT_CHARS + over)},
+    "message": lambda d, over: {**d, "message": "x" * (spool.MAX_MESSAGE_CHARS * 100 + over)},  # cut, not refused
+}
+
+
+def _with_entry(doc: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {**doc, "entries": [{**doc["entries"][0], **fields}, *doc["entries"][1:]]}
+
+
+DUMP_BOUNDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
+    "entries": lambda d, over: {**d, "entries": [0] * (trace.MAX_ENTRIES + 1)},  # see above: past it only
+    "tensors": lambda d, over: _with_entry(d, input_sizes=[[1]] * (trace.MAX_ENTRY_TENSORS + over)),
+    "dims": lambda d, over: _with_entry(d, output_sizes=[[1] * (trace.MAX_TENSOR_DIMS + over)]),
+    "dtypes": lambda d, over: _with_entry(d, input_dtypes=["Float"] * (trace.MAX_ENTRY_TENSORS + over)),
+    "dtype": lambda d, over: _with_entry(d, output_dtypes=["x" * (trace.MAX_WORD_CHARS + over)]),
+    "pg_name": lambda d, over: _with_entry(d, process_group=["x" * (spool.MAX_TEXT_CHARS + over), "d"]),
+    "pg_desc": lambda d, over: _with_entry(d, process_group=["0", "x" * (spool.MAX_TEXT_CHARS + over)]),
+    "op": lambda d, over: _with_entry(d, profiling_name="x" * (trace.MAX_OP_CHARS + over)),
+    "state": lambda d, over: _with_entry(d, state="x" * (trace.MAX_WORD_CHARS + over)),
+    "pg_status": lambda d, over: {**d, "pg_status": {str(i): _PG_STATUS for i in range(spool.MAX_PGS + over)}},
+    "pg_config": lambda d, over: {**d, "pg_config": {str(i): {} for i in range(spool.MAX_PGS + over)}},
+    "pg_config_keys": lambda d, over: {**d, "pg_config": {"0": {f"k{i}": "v" for i in
+                                                                range(trace.MAX_CONFIG_VALUES + over)}}},
+    "pg_config_key": lambda d, over: {**d, "pg_config": {"0": {"k" * (trace.MAX_CONFIG_KEY_CHARS + over): ""}}},
+}
+# Every entry one reference to the same 1024 one-dimension shapes (2048 size values), as a pickle memo can.
+_SHARED_SIZES = [[1]] * 1024
+
+
+def size_values_pickle(over: int) -> bytes:
+    entry = {**GLOO_ENTRY, "input_sizes": _SHARED_SIZES, "output_sizes": [], "input_dtypes": [], "output_dtypes": []}
+    count = trace.MAX_SIZE_VALUES // (2 * len(_SHARED_SIZES)) + over
+    return pickle.dumps({**pickle_dump_doc(), "entries": [entry] * count}, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def bound_doc(kind: str, case: str, over: int) -> dict[str, Any]:
+    """A valid document of ``kind`` with the bound ``case`` met (``over=0``) or passed by one (``over=1``)."""
+    base, cases = {"manifest": (manifest_doc, MANIFEST_BOUNDS), "snapshot": (snapshot_doc, SNAPSHOT_BOUNDS),
+                   "snapshot_map": (snapshot_map_doc, SNAPSHOT_BOUNDS), "dump": (json_dump_doc, DUMP_BOUNDS)}[kind]
+    return cases[case](base(), over)
+
+
 # ------------------------------------------------------------------------------------------ invariants
 
 
@@ -295,21 +383,41 @@ def _check_float(value: float | None, what: str, optional: bool = False) -> None
         raise Failure("invariant", f"{what} = {value!r:.80} is not a finite float")
 
 
+def _check_bound(size: int, bound: int, what: str) -> None:
+    if size > bound:
+        raise Failure("invariant", f"{what}: {size} is past the parser's bound of {bound}")
+
+
 def _check_manifest(m: spool.Manifest) -> None:
     for name in ("rank", "local_rank", "world_size", "pid", "fr_buffer_size", "generation"):
         _check_int(getattr(m, name), f"manifest.{name}")
     _check_float(m.start_time, "manifest.start_time")
     if m.rank < 0:
         raise Failure("invariant", "manifest.rank < 0")
+    _check_bound(len(m.process_groups), spool.MAX_PGS, "process groups")
+    _check_bound(sum(len(pg.ranks) for pg in m.process_groups), spool.MAX_MANIFEST_MEMBERS, "members in all")
+    for text in (m.job_id, m.hostname, m.torch_version, m.gpu_uuid, m.socket, *m.handlers, *m.recorders,
+                 *m.backends):
+        _check_bound(len(text), spool.MAX_TEXT_CHARS, "manifest text")
+    for names in (m.handlers, m.recorders, m.backends):
+        _check_bound(len(names), spool.MAX_NAMES, "names")
     for pg in m.process_groups:
         _check_float(pg.timeout_seconds, "pg.timeout_seconds", optional=True)
+        _check_bound(len(pg.ranks), spool.MAX_PG_MEMBERS, "members")
+        for text in (pg.name, pg.desc, pg.backend):
+            _check_bound(len(text), spool.MAX_TEXT_CHARS, "pg text")
+        previous = -1
         for r in pg.ranks:
             _check_int(r, "pg.ranks[]")
+            if not previous < r <= spool.MAX_RANK:
+                raise Failure("invariant", f"pg.ranks not sorted, distinct ranks from 0 to MAX_RANK at {r}")
+            previous = r
     if "/" in m.socket:
         raise Failure("invariant", f"manifest.socket {m.socket!r} leaves the spool directory")
 
 
 def _check_status(status: dict[int, spool.RawPGStatus], what: str) -> None:
+    _check_bound(len(status), spool.MAX_PGS, f"{what} entries")
     for pg_id, s in status.items():
         _check_int(pg_id, f"{what} pg id")
         for name in ("enqueued", "started", "completed"):
@@ -325,25 +433,72 @@ def _check_snapshot(s: spool.Snapshot) -> None:
         _check_status(dict(status), f"snapshot.status.{recorder}")
     for reason, count in s.errors.items():
         _check_int(count, f"snapshot.errors[{reason!r}]")
+        _check_bound(len(reason), spool.MAX_ERROR_KIND_CHARS, "error kind")
+    _check_bound(len(s.status), spool.MAX_RECORDERS, "recorders")
+    _check_bound(len(s.errors), spool.MAX_ERROR_KINDS, "error kinds")
+    _check_bound(len(s.message), spool.MAX_MESSAGE_CHARS, "message")
+    _check_bound(len(s.state), spool.MAX_TEXT_CHARS, "state")
 
 
 def _check_dump(dump: trace.FrDump) -> None:
     _check_status(dump.pg_status, "pg_status")
+    _check_bound(len(dump.entries), trace.MAX_ENTRIES, "entries")
+    _check_bound(len(dump.pg_config), spool.MAX_PGS, "pg_config entries")
+    # The parser hands entries that shared a list in the dump one tuple: check each once, count every use.
+    checked: dict[int, int] = {}
+    values = 0
     for e in dump.entries:
         for name in ("record_id", "pg_id", "collective_seq_id", "p2p_seq_id", "op_id", "time_created_ns"):
             _check_int(getattr(e, name), f"entry.{name}")
         if e.timeout_ms is not None:
             _check_int(e.timeout_ms, "entry.timeout_ms")
-        for shape in (*e.input_sizes, *e.output_sizes):
-            for d in shape:
-                _check_int(d, "entry size")
+        for text, bound in ((e.pg_name, spool.MAX_TEXT_CHARS), (e.pg_desc, spool.MAX_TEXT_CHARS),
+                            (e.profiling_name, trace.MAX_OP_CHARS), (e.state, trace.MAX_WORD_CHARS)):
+            _check_bound(len(text), bound, "entry text")
+        for items in (e.input_sizes, e.output_sizes, e.input_dtypes, e.output_dtypes):
+            cost = checked.get(id(items))
+            if cost is None:
+                cost = checked[id(items)] = _check_items(items)
+            values += cost
+    _check_bound(values, trace.MAX_SIZE_VALUES, "tensor size values")
     for name, cfg in dump.pg_config.items():
         if not isinstance(name, str) or not all(isinstance(v, str) for v in cfg.values()):
             raise Failure("invariant", f"pg_config[{name!r:.40}] holds non-text values")
     translate(dump)  # collective-domain progress is derived from these values in the exporter
 
 
+def _check_items(items: tuple[tuple[int, ...], ...] | tuple[str, ...]) -> int:
+    """Check an entry's shapes or dtypes; returns what they cost of MAX_SIZE_VALUES."""
+    _check_bound(len(items), trace.MAX_ENTRY_TENSORS, "tensors of an entry")
+    cost = 0
+    for item in items:
+        if isinstance(item, str):
+            _check_bound(len(item), trace.MAX_WORD_CHARS, "dtype")
+            cost += 1
+            continue
+        _check_bound(len(item), trace.MAX_TENSOR_DIMS, "dimensions")
+        for d in item:
+            _check_int(d, "entry size")
+        cost += 1 + len(item)
+    return cost
+
+
 # ------------------------------------------------------------------------------------------ targets
+
+
+# Every reason a spool file or FR dump is refused with: a label value of frexporter_source_errors_total.
+SPOOL_REASONS = frozenset({"invalid", "foreign", "unknown_version", "oversized", "truncated", "corrupt", "torn",
+                           "missing", "permission", "io", *spool.LIMIT_REASONS})
+
+
+@contextlib.contextmanager
+def _known_reason() -> Iterator[None]:
+    try:
+        yield
+    except SpoolError as e:
+        if e.reason not in SPOOL_REASONS:
+            raise Failure("reason", f"SpoolError with reason {e.reason!r:.80}, not one of the documented ones") from e
+        raise
 
 
 def _json_or_skip(data: bytes) -> object:
@@ -354,11 +509,13 @@ def _json_or_skip(data: bytes) -> object:
 
 
 def run_parse_manifest(data: bytes) -> None:
-    _check_manifest(spool.parse_manifest(_json_or_skip(data)))
+    with _known_reason():
+        _check_manifest(spool.parse_manifest(_json_or_skip(data)))
 
 
 def run_parse_snapshot(data: bytes) -> None:
-    _check_snapshot(spool.parse_snapshot(_json_or_skip(data)))
+    with _known_reason():
+        _check_snapshot(spool.parse_snapshot(_json_or_skip(data)))
 
 
 class _FileBench:
@@ -394,10 +551,11 @@ def run_read_json_file(data: bytes) -> None:
     limit = _files.LIMITS[data[1] % len(_files.LIMITS)] if len(data) > 1 else spool.MAX_SNAPSHOT_BYTES
     with open(_files.regular, "wb") as f:
         f.write(data[2:])
-    obj = spool.read_json_file(_files.paths[kind], limit)
+    with _known_reason():
+        obj = spool.read_json_file(_files.paths[kind], limit)
     # What the exporter does next with a file that decoded: both parsers must cope with any JSON.
     for parse, check in ((spool.parse_manifest, _check_manifest), (spool.parse_snapshot, _check_snapshot)):
-        with contextlib.suppress(SpoolError):
+        with contextlib.suppress(SpoolError), _known_reason():
             check(parse(obj))  # type: ignore[operator]
 
 
@@ -408,11 +566,13 @@ def run_read_snapshot_map(data: bytes) -> None:
         _files = _FileBench()
     with open(_files.regular, "wb") as f:
         f.write(data)
-    _check_snapshot(spool.parse_snapshot(spool.read_snapshot_map(_files.regular)))
+    with _known_reason():
+        _check_snapshot(spool.parse_snapshot(spool.read_snapshot_map(_files.regular)))
 
 
 def run_parse_dump(data: bytes) -> None:
-    _check_dump(trace.parse_dump(_json_or_skip(data)))
+    with _known_reason():
+        _check_dump(trace.parse_dump(_json_or_skip(data)))
 
 
 _REFERENCE_DUMP = trace.parse_dump(json_dump_doc())
@@ -420,7 +580,8 @@ _REFERENCE_DUMP = trace.parse_dump(json_dump_doc())
 
 def _frdump_pipeline(obj: object) -> None:
     """What ``frexporter analyze DIR`` does with a decoded file, next to a well-formed peer rank."""
-    dump = trace.parse_dump(obj, "fuzz")
+    with _known_reason():
+        dump = trace.parse_dump(obj, "fuzz")
     _check_dump(dump)
     dumps = [dumpfiles.RankDump(rank=0, path="fuzz0", dump=dump, mtime=1.7e9),
              dumpfiles.RankDump(rank=1, path="fuzz1", dump=_REFERENCE_DUMP, mtime=1.7e9)]
@@ -579,9 +740,17 @@ def _build_strategies() -> Any:
     deep = st.builds(lambda opener, n: (opener * n)[: spool.MAX_SNAPSHOT_BYTES],
                      st.sampled_from([b"[", b'{"a":', b'[{"x":', b'{"status":{"fr":{"0":']), st.integers(100, 200_000))
 
-    def json_doc(base: dict[str, Any]) -> SearchStrategy[bytes]:
+    def json_doc(base: dict[str, Any], bounds: SearchStrategy[bytes] | None = None) -> SearchStrategy[bytes]:
+        extra = [bounds] if bounds is not None else []
         return st.one_of(json_bytes(mutated_doc(base)), json_bytes(mutated_doc(base)), json_bytes(json_values),
-                         mutated_bytes([encode(base, True)]), deep, st.binary(max_size=200))
+                         mutated_bytes([encode(base, True)]), deep, st.binary(max_size=200), *extra)
+
+    def near_bounds(kind: str) -> SearchStrategy[bytes]:
+        """Documents at a bound of the parsers, or one past it (the compact encoding the recorder writes)."""
+        cases = {"manifest": MANIFEST_BOUNDS, "snapshot": SNAPSHOT_BOUNDS, "snapshot_map": SNAPSHOT_BOUNDS,
+                 "dump": DUMP_BOUNDS}[kind]
+        return st.builds(lambda case, over: json.dumps(bound_doc(kind, case, over), separators=(",", ":")).encode(),
+                         st.sampled_from(sorted(cases)), st.integers(0, 1))
 
     def sized(n: int, filler: bytes) -> bytes:
         return b'{"pad":"' + filler * (n // len(filler)) + b'"}'
@@ -593,7 +762,8 @@ def _build_strategies() -> Any:
         truncated = st.builds(lambda doc, cut: doc[:cut], st.sampled_from([encode(manifest, True),
                                                                             encode(snapshot, True)]),
                               st.integers(0, 400))
-        content = st.one_of(json_doc(manifest), json_doc(snapshot), truncated, near_limit, st.binary(max_size=64))
+        content = st.one_of(json_doc(manifest, near_bounds("manifest")), json_doc(snapshot, near_bounds("snapshot")),
+                            truncated, near_limit, st.binary(max_size=64))
         return st.builds(lambda kind, limit, body: bytes([kind, limit]) + body, st.integers(0, 255),
                          st.integers(0, 255), content)
 
@@ -651,7 +821,8 @@ def _build_strategies() -> Any:
 
     def dump_file(json_dump: dict[str, Any], pickle_dump: dict[str, Any], seeds: Sequence[bytes]
                   ) -> SearchStrategy[bytes]:
-        return st.one_of(json_doc(json_dump), pickled(mutated_doc(pickle_dump, pickle_values)), pickles(seeds))
+        return st.one_of(json_doc(json_dump, near_bounds("dump")), pickled(mutated_doc(pickle_dump, pickle_values)),
+                         pickles(seeds), st.builds(size_values_pickle, st.integers(0, 1)))
 
     label_values = texts | st.sampled_from(["0", "1", "7", "-1", "01", "\u0663", "\u00b2", "1.0", "j", ""])
     sample_values = st.sampled_from(["12", "0", "1", "NaN", "+Inf", "-Inf", "1e400", "-1e308", "1699999000.5",
@@ -679,26 +850,32 @@ def _build_strategies() -> Any:
     def binary_file(seeds: Sequence[bytes]) -> SearchStrategy[bytes]:
         return st.one_of(mutated_bytes(seeds), mutated_bytes(seeds), st.binary(max_size=200))
 
-    return types.SimpleNamespace(json_doc=json_doc, spool_file=spool_file, chunked=chunked, binary_file=binary_file,
+    return types.SimpleNamespace(json_doc=json_doc, near_bounds=near_bounds,
+                                 spool_file=spool_file, chunked=chunked, binary_file=binary_file,
                                  http_response=http_response, pickles=pickles, dump_file=dump_file,
                                  prom_answer=prom_answer, yaml_text=yaml_text)
+
+
+def _bounded_json(base: Callable[[], dict[str, Any]], kind: str) -> Callable[[], SearchStrategy[bytes]]:
+    """The strategy of a JSON target: mutations of ``base``, and documents at the bounds of its parser."""
+    return lambda: _strategies().json_doc(base(), _strategies().near_bounds(kind))
 
 
 def _targets() -> dict[str, Target]:
     targets = [
         Target("spool.parse_manifest", run_parse_manifest, (SpoolError, Skip),
-               lambda: [_json(manifest_doc())], lambda: _strategies().json_doc(manifest_doc())),
+               lambda: [_json(manifest_doc())], _bounded_json(manifest_doc, "manifest")),
         Target("spool.parse_snapshot", run_parse_snapshot, (SpoolError, Skip),
-               lambda: [_json(snapshot_doc())], lambda: _strategies().json_doc(snapshot_doc())),
+               lambda: [_json(snapshot_doc())], _bounded_json(snapshot_doc, "snapshot")),
         Target("spool.read_json_file", run_read_json_file, (SpoolError,),
                lambda: [b"\x00\x00" + _json(snapshot_doc()), b"\x00\x01" + _json(manifest_doc())],
                lambda: _strategies().spool_file(manifest_doc(), snapshot_doc()), max_len=1 << 20),
         Target("spool.parse_snapshot (mapped)", run_parse_snapshot, (SpoolError, Skip),
-               lambda: [_json(snapshot_map_doc())], lambda: _strategies().json_doc(snapshot_map_doc())),
+               lambda: [_json(snapshot_map_doc())], _bounded_json(snapshot_map_doc, "snapshot_map")),
         Target("spool.read_snapshot_map", run_read_snapshot_map, (SpoolError,), snapshot_map_seeds,
                lambda: _strategies().binary_file(snapshot_map_seeds()), max_len=1 << 17),
         Target("trace.parse_dump", run_parse_dump, (SpoolError, Skip),
-               lambda: [_json(json_dump_doc())], lambda: _strategies().json_doc(json_dump_doc()), max_len=65536),
+               lambda: [_json(json_dump_doc())], _bounded_json(json_dump_doc, "dump"), max_len=65536),
         Target("worker_client._parse_response", run_parse_response, (SourceError,),
                http_seeds, lambda: _strategies().http_response(http_seeds())),
         Target("worker_client._dechunk", run_dechunk, (SourceError,),

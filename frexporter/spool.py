@@ -13,8 +13,11 @@ Per rank (``stem`` = sanitized job id + rank):
 
 from __future__ import annotations
 
+import array
+import bisect
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import math
@@ -24,10 +27,11 @@ import re
 import stat
 import struct
 import tempfile
+import weakref
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 MANIFEST_FORMAT = "frexporter.manifest/1"
 SNAPSHOT_FORMAT = "frexporter.snapshot/1"  # a JSON file, rewritten per snapshot (recorders before 0.2)
@@ -45,6 +49,28 @@ MAX_SNAPSHOT_BYTES = 1024 * 1024
 # Ranks one exporter tracks: a node runs a few dozen at most, and anyone who can write the spool could
 # otherwise make it parse and keep state for as many manifests as the file system holds.
 MAX_RANKS_PER_NODE = 1024
+# Bounds on what a file parses into: the byte limits cap a file, not its parsed size (4 MiB of compact JSON
+# is 470,000 ranks). A file past a bound is refused whole with one of LIMIT_REASONS, never cut short: a
+# member list cut short would give wrong verdicts. The bounds leave room for the largest real jobs.
+MAX_PG_MEMBERS = 1 << 17  # members of one PG: the WORLD of a 131,072-rank job
+MAX_MANIFEST_MEMBERS = 1 << 19  # members over all PGs of one rank (WORLD and a few more groups that large)
+MAX_PGS = 4096  # process groups per rank, and pg_status entries per recorder
+MAX_RANK = 2**31 - 1  # torch keeps ranks in C ints
+MAX_TEXT_CHARS = 256  # job id, hostname, PG name/desc/backend, versions, GPU UUID, socket, names in lists
+MAX_NAMES = 64  # handlers, recorders, backends of a manifest; recorders in a PG's local_ids
+MAX_RECORDERS = 8  # recorders in one snapshot (torch keeps two: fr and nccl)
+MAX_ERROR_KINDS = 64  # entries of a snapshot's recorder error map
+MAX_ERROR_KIND_CHARS = 64  # an error kind is a label value
+MAX_MESSAGE_CHARS = 500  # a snapshot's human message: cut there (text for people, identifies nothing)
+# For stack sampling, which no file holds yet: frames kept per stack, and characters per frame string
+# (function, file name); a stack past them is to be cut, and say so.
+MAX_STACK_FRAMES = 256
+MAX_FRAME_TEXT_CHARS = 512
+# The reasons a file past a bound is refused with (frexporter_source_errors_total{reason}).
+LIMIT_MEMBERS = "limit_members"  # a PG's member list, or all member lists of one manifest
+LIMIT_ITEMS = "limit_items"  # any other list or map: PGs, pg_status entries, names, error kinds, FR entries
+LIMIT_TEXT = "limit_text"  # a string past its length bound
+LIMIT_REASONS = (LIMIT_MEMBERS, LIMIT_ITEMS, LIMIT_TEXT)
 # The recorder's snapshot interval unless FREXPORTER_SNAPSHOT_INTERVAL says otherwise; the exporter assumes it
 # for a rank that has written its manifest but not yet its first snapshot (which states its own interval).
 DEFAULT_SNAPSHOT_INTERVAL = 1.0
@@ -583,13 +609,95 @@ def _map_payload(data: bytes, path: str, file_size: int) -> tuple[bytes | None, 
 # ---------------------------------------------------------------- typed views
 
 
+@functools.total_ordering
+class Members(Sequence[int]):
+    """A PG's member ranks, sorted and distinct, at 4 bytes each, and one object per distinct member list.
+
+    A tuple of Python ints costs 40 bytes a member: 20 ranks that each list a 131,072-rank WORLD would hold
+    100 MB. Here the ranks are packed in one immutable buffer, and ``of`` hands out the object already made
+    for the same list, so the ranks of one job share their WORLD. Equal to, and hashed like, the tuple of
+    its ranks, so analysis code and tests may mix both.
+    """
+
+    __slots__ = ("__weakref__", "_data", "_hash", "_view")
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data  # native C ints, sorted ascending, distinct
+        self._view = memoryview(data).cast("i")
+        self._hash: int | None = None
+
+    _interned: weakref.WeakValueDictionary[bytes, Members] = weakref.WeakValueDictionary()
+
+    @classmethod
+    def of(cls, ranks: Iterable[int]) -> Members:
+        """Sorted distinct ``ranks`` (each in 0..MAX_RANK); OverflowError or TypeError otherwise."""
+        packed = array.array("i", sorted(set(ranks)))
+        if packed and packed[0] < 0:
+            raise OverflowError("negative rank")
+        data = packed.tobytes()
+        found = cls._interned.get(data)
+        if found is None:
+            found = cls._interned.setdefault(data, cls(data))
+        return found
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        if isinstance(index, slice):
+            return tuple(self._view[index])
+        return self._view[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._view)
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, int):
+            return False
+        i = bisect.bisect_left(self._view, value)
+        return i < len(self._view) and self._view[i] == value
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(tuple(self._view))
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Members):
+            return self._data == other._data
+        if isinstance(other, tuple):
+            return len(other) == len(self._view) and tuple(self._view) == other
+        return NotImplemented
+
+    def __lt__(self, other: object) -> bool:
+        if isinstance(other, Members):  # arrays compare by value, without a Python int per rank
+            return array.array("i", self._data) < array.array("i", other._data)
+        if isinstance(other, tuple):
+            return tuple(self._view) < other
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        head = ", ".join(map(str, self._view[:8]))
+        return f"Members([{head}{', ...' if len(self._view) > 8 else ''}], n={len(self._view)})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Members, (self._data,)
+
+
+
 @dataclass(frozen=True)
 class PGEntry:
     """One process group as the rank sees it; ``name`` + ``ranks`` is the cross-rank identity."""
 
     name: str
     desc: str
-    ranks: tuple[int, ...]
+    ranks: Members | tuple[int, ...]
     backend: str
     local_ids: Mapping[str, int] = field(default_factory=dict)  # recorder -> predicted local pg id
     timeout_seconds: float | None = None
@@ -637,7 +745,8 @@ class Snapshot:
 
 
 class _Fields:
-    """Typed access to an untrusted JSON object; every miss is a SpoolError('invalid')."""
+    """Typed access to an untrusted JSON object; every miss is a SpoolError('invalid'), every string and
+    list past its bound a SpoolError with a LIMIT_REASONS reason."""
 
     def __init__(self, obj: Any, what: str) -> None:
         if not isinstance(obj, dict):
@@ -658,8 +767,9 @@ class _Fields:
             raise SpoolError("invalid", f"{self.what}: field {key!r} has the wrong type")
         return value
 
-    def str(self, key: str, default: Any = None) -> str:
-        return self._get(key, (str,), _REQUIRED if default is None else default)
+    def str(self, key: str, default: Any = None, limit: int = MAX_TEXT_CHARS) -> str:
+        return _bounded_text(self._get(key, (str,), _REQUIRED if default is None else default), limit,
+                             f"{self.what}: field {key!r}")
 
     def int(self, key: str, default: Any = None) -> int:
         value = self._get(key, (int,), _REQUIRED if default is None else default)
@@ -673,11 +783,34 @@ class _Fields:
             raise SpoolError("invalid", f"{self.what}: field {key!r} is not a finite number")
         return value
 
-    def list(self, key: str, default: Any = None) -> list[Any]:
-        return self._get(key, (list,), _REQUIRED if default is None else default)
+    def list(self, key: str, default: Any = None, limit: int | None = None) -> list[Any]:
+        value = self._get(key, (list,), _REQUIRED if default is None else default)
+        if limit is not None and len(value) > limit:
+            raise SpoolError(LIMIT_ITEMS, f"{self.what}: field {key!r} has {len(value)} items, over the "
+                                          f"bound of {limit}")
+        return value
 
-    def dict(self, key: str, default: Any = None) -> dict[str, Any]:
-        return self._get(key, (dict,), _REQUIRED if default is None else default)
+    def dict(self, key: str, default: Any = None, limit: int | None = None) -> dict[str, Any]:
+        value = self._get(key, (dict,), _REQUIRED if default is None else default)
+        if limit is not None and len(value) > limit:
+            raise SpoolError(LIMIT_ITEMS, f"{self.what}: field {key!r} has {len(value)} entries, over the "
+                                          f"bound of {limit}")
+        return value
+
+    def names(self, key: str) -> tuple[str, ...]:
+        """A list of short strings (handlers, recorders, backends)."""
+        out = []
+        for i, name in enumerate(self.list(key, [], limit=MAX_NAMES)):
+            if not isinstance(name, str):
+                raise SpoolError("invalid", f"{self.what}: {key}[{i}] is not a string")
+            out.append(_bounded_text(name, MAX_TEXT_CHARS, f"{self.what}: {key}[{i}]"))
+        return tuple(out)
+
+
+def _bounded_text(value: str, limit: int, what: str) -> str:
+    if len(value) > limit:
+        raise SpoolError(LIMIT_TEXT, f"{what} is {len(value)} characters long, over the bound of {limit}")
+    return value
 
 
 _REQUIRED = object()
@@ -720,28 +853,20 @@ def _check_format(obj: Any, expected: str, what: str) -> None:
 def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
     _check_format(obj, MANIFEST_FORMAT, what)
     f = _Fields(obj, what)
-    pgs = []
-    for i, raw in enumerate(f.list("process_groups", [])[:4096]):
-        p = _Fields(raw, f"{what}: process_groups[{i}]")
-        ranks = p.list("ranks")
-        if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r <= INT_MAX for r in ranks):
-            raise SpoolError("invalid", f"{what}: process_groups[{i}].ranks must be non-negative integers")
-        local_ids = {}
-        for k, v in p.dict("local_ids", {}).items():
-            if isinstance(v, int) and not isinstance(v, bool):
-                local_ids[str(k)] = v
-        raw_timeout = p.obj.get("timeout_seconds")
-        timeout = _finite(raw_timeout) if isinstance(raw_timeout, (int, float)) else None
-        pgs.append(
-            PGEntry(
-                name=p.str("name"),
-                desc=p.str("desc", ""),
-                ranks=tuple(sorted(ranks)),
-                backend=p.str("backend", ""),
-                local_ids=local_ids,
-                timeout_seconds=timeout if timeout is not None and timeout > 0 else None,
-            )
-        )
+    raw_pgs = f.list("process_groups", [], limit=MAX_PGS)
+    total = 0
+    for i, raw in enumerate(raw_pgs):
+        # Counted before any list is parsed: a file over the bound costs no more than reading it.
+        ranks = raw.get("ranks") if isinstance(raw, dict) else None
+        if isinstance(ranks, list):
+            if len(ranks) > MAX_PG_MEMBERS:
+                raise SpoolError(LIMIT_MEMBERS, f"{what}: process_groups[{i}] lists {len(ranks)} members, "
+                                                f"over the bound of {MAX_PG_MEMBERS}")
+            total += len(ranks)
+    if total > MAX_MANIFEST_MEMBERS:
+        raise SpoolError(LIMIT_MEMBERS, f"{what}: its process groups list {total} members in all, over the "
+                                        f"bound of {MAX_MANIFEST_MEMBERS}")
+    pgs = [_parse_pg(raw, f"{what}: process_groups[{i}]") for i, raw in enumerate(raw_pgs)]
     rank = f.int("rank")
     if rank < 0:
         raise SpoolError("invalid", f"{what}: rank must be >= 0")
@@ -754,14 +879,40 @@ def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
         hostname=f.str("hostname", ""),
         start_time=f.num("start_time", 0.0),
         torch_version=f.str("torch_version", ""),
-        backends=tuple(str(b) for b in f.list("backends", [])),
+        backends=f.names("backends"),
         gpu_uuid=f.str("gpu_uuid", ""),
         socket=os.path.basename(f.str("socket", "")),
-        handlers=tuple(str(h) for h in f.list("handlers", [])),
-        recorders=tuple(str(r) for r in f.list("recorders", [])),
+        handlers=f.names("handlers"),
+        recorders=f.names("recorders"),
         fr_buffer_size=f.int("fr_buffer_size", 0),
         process_groups=tuple(pgs),
         generation=f.int("generation", 0),
+    )
+
+
+def _parse_pg(raw: Any, what: str) -> PGEntry:
+    p = _Fields(raw, what)
+    ranks = p.list("ranks")
+    # type() rather than isinstance(): bool is an int subclass, and rank true is no rank.
+    if not set(map(type, ranks)) <= {int}:
+        raise SpoolError("invalid", f"{what}.ranks must be non-negative integers")
+    try:
+        members = Members.of(ranks)
+    except OverflowError as e:
+        raise SpoolError("invalid", f"{what}.ranks must be integers from 0 to {MAX_RANK}") from e
+    local_ids = {}
+    for k, v in p.dict("local_ids", {}, limit=MAX_NAMES).items():
+        if isinstance(v, int) and not isinstance(v, bool):
+            local_ids[_bounded_text(k, MAX_TEXT_CHARS, f"{what}.local_ids key")] = v
+    raw_timeout = p.obj.get("timeout_seconds")
+    timeout = _finite(raw_timeout) if isinstance(raw_timeout, (int, float)) else None
+    return PGEntry(
+        name=p.str("name"),
+        desc=p.str("desc", ""),
+        ranks=members,
+        backend=p.str("backend", ""),
+        local_ids=local_ids,
+        timeout_seconds=timeout if timeout is not None and timeout > 0 else None,
     )
 
 
@@ -769,6 +920,8 @@ def parse_pg_status(raw: Any, what: str) -> dict[int, RawPGStatus]:
     """torch's ``pg_status``: ints in pickle dumps, strings in JSON dumps; accept both."""
     if not isinstance(raw, dict):
         raise SpoolError("invalid", f"{what}: pg_status must be an object")
+    if len(raw) > MAX_PGS:
+        raise SpoolError(LIMIT_ITEMS, f"{what}: pg_status has {len(raw)} entries, over the bound of {MAX_PGS}")
     out: dict[int, RawPGStatus] = {}
     for key, val in raw.items():
         try:
@@ -791,15 +944,17 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
     _check_format(obj, SNAPSHOT_MAP_FORMAT if mapped else SNAPSHOT_FORMAT, what)
     f = _Fields(obj, what)
     status = {}
-    for recorder, raw in f.dict("status", {}).items():
+    for recorder, raw in f.dict("status", {}, limit=MAX_RECORDERS).items():
+        _bounded_text(recorder, MAX_TEXT_CHARS, f"{what}: recorder name")
         if mapped:  # torch's whole answer; its pg_status is what we use
             raw = _Fields(raw, f"{what}: status.{recorder}").dict("pg_status", {})
-        status[str(recorder)] = parse_pg_status(raw, f"{what}: status.{recorder}")
-    errors = {
-        str(k)[:64]: v
-        for k, v in f.dict("errors", {}).items()
-        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT_MAX
-    }
+        status[recorder] = parse_pg_status(raw, f"{what}: status.{recorder}")
+    errors = {}
+    for kind, count in f.dict("errors", {}, limit=MAX_ERROR_KINDS).items():
+        # A label value: cutting it could merge two kinds.
+        _bounded_text(kind, MAX_ERROR_KIND_CHARS, f"{what}: error kind")
+        if isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= INT_MAX:
+            errors[kind] = count
     return Snapshot(
         pid=f.int("pid"),
         time=f.num("time"),
@@ -808,5 +963,5 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
         status=status,
         errors=errors,
         state=f.str("state", "running"),
-        message=f.str("message", "")[:500],
+        message=f.str("message", "", limit=MAX_SNAPSHOT_BYTES)[:MAX_MESSAGE_CHARS],
     )

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from frexporter.analysis.matching import Mismatch, find_mismatch
 from frexporter.model import RANK_DOWN, RANK_EXITED, RANK_OK, RANK_UNRESPONSIVE, InflightCollective, PGState, RankState
+from frexporter.spool import Members
 
 RankKey = tuple[str, int]  # (job_id, global rank)
 
@@ -39,7 +40,7 @@ class Finding:
     job_id: str
     pg: str
     pg_desc: str
-    members: tuple[int, ...]
+    members: tuple[int, ...] | Members
     seq: int
     op: str  # "" when no entry names it (metrics-only input)
     since: float | None  # creation of the oldest waiter's entry at the frontier
@@ -48,7 +49,7 @@ class Finding:
     waiting: tuple[int, ...]  # live members in flight at seq
     missing: tuple[int, ...]  # observed members (not down) with last_enqueued < seq
     down: tuple[int, ...]  # members whose process is gone, joined or not
-    unobserved: tuple[int, ...]  # members with no RankState in the input
+    unobserved: tuple[int, ...] | Members  # members with no RankState in the input
     blockers: tuple[int, ...]  # who the waiting ranks wait for
     mismatch: Mismatch | None = None
     inexact: tuple[int, ...] = ()  # members whose collective-domain values come from an older deep read
@@ -64,12 +65,16 @@ class FindingsConfig:
 class _Group:
     job_id: str
     name: str
-    declared: tuple[int, ...]
+    declared: tuple[int, ...] | Members  # canonical: sorted, distinct
     desc: str = ""
     states: dict[int, PGState] = field(default_factory=dict)
 
     @property
-    def members(self) -> tuple[int, ...]:
+    def members(self) -> tuple[int, ...] | Members:
+        # A packed list is canonical and answers ``in`` by bisection: when it lists every rank with state, it is
+        # the answer without a copy (a tuple would take a scan per rank, quadratic in a complete view).
+        if isinstance(self.declared, Members) and all(r in self.declared for r in self.states):
+            return self.declared
         return tuple(sorted(set(self.declared) | set(self.states)))
 
 
@@ -114,18 +119,21 @@ class _MemberSets:
         self._by_object: dict[int, int] = {}
         self._by_value: dict[tuple[int, ...], int] = {}
         self._by_canonical: dict[tuple[int, ...], int] = {}
-        self.canonical: list[tuple[int, ...]] = []
+        self.canonical: list[tuple[int, ...] | Members] = []
 
-    def id_of(self, ranks: tuple[int, ...]) -> int:
+    def id_of(self, ranks: tuple[int, ...] | Members) -> int:
         found = self._by_object.get(id(ranks))
         if found is None:
             found = self._by_value.get(ranks)
             if found is None:
-                found = self._by_value[ranks] = self._canonical_id(tuple(sorted(set(ranks))))
+                # The spool's member lists are canonical already; copying one of 131,072 ranks into a tuple
+                # would cost 5 MB per distinct list, every poll.
+                canonical = ranks if isinstance(ranks, Members) else tuple(sorted(set(ranks)))
+                found = self._by_value[ranks] = self._canonical_id(canonical)
             self._by_object[id(ranks)] = found
         return found
 
-    def _canonical_id(self, canonical: tuple[int, ...]) -> int:
+    def _canonical_id(self, canonical: tuple[int, ...] | Members) -> int:
         if canonical not in self._by_canonical:
             self._by_canonical[canonical] = len(self.canonical)
             self.canonical.append(canonical)
@@ -240,7 +248,9 @@ def _finding(group: _Group, ranks: Mapping[int, RankState], cond: Mapping[int, s
     joined_set = set(joined)
     missing = tuple(r for r in observed if r not in joined_set and cond[r] != RANK_DOWN)
     down = tuple(r for r in observed if cond[r] == RANK_DOWN)
-    unobserved = tuple(r for r in members if r not in observed)
+    unobserved: tuple[int, ...] | Members = tuple(r for r in members if r not in observed)
+    if isinstance(members, Members):  # from one node, most of a big WORLD: packed, 4 bytes a rank
+        unobserved = Members.of(unobserved)
     blockers = tuple(sorted(set(missing) | set(down) | (set(unobserved) if config.complete_view else set())))
     entries = {r: _entries_at(group.states.get(r), seq) for r in joined}
     mismatch = find_mismatch(entries, len(group.declared) or None)

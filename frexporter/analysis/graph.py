@@ -194,7 +194,8 @@ class _Resolver:
             else:
                 # Unobserved members are only blockers in a complete view; in a node view each node names its
                 # own ranks, which also keeps one node from exporting a verdict series per rank of the job.
-                seen = [r for r in f.members if r not in f.unobserved]
+                unobserved = set(f.unobserved)  # a tuple would make this quadratic in a WORLD of 100,000 ranks
+                seen = [r for r in f.members if r not in unobserved]
                 out.append(self._cause(PG, node.job_id, seen, node.key, around))
         return out
 

@@ -248,8 +248,9 @@ class _Builder:
         if not self.cause.waiting and self.age is not None:
             head += f" for {text.seconds(self.age)}"  # no upstream: the age is this collective's own
         tail = f"{self.tail()}." if self.cause.waiting else f"{text.budget(self.age, self.timeout)}."
-        if f.unobserved and not set(f.unobserved) & set(f.blockers):
-            seen = [r for r in f.members if r not in f.unobserved]
+        unobserved = set(f.unobserved)  # a tuple would make this quadratic in a WORLD of 100,000 ranks
+        if unobserved and not unobserved & set(f.blockers):
+            seen = [r for r in f.members if r not in unobserved]
             summary = (f"{text.who(seen)} of {text.pg_text(f.pg, f.pg_desc)} "
                        f"({text.agree(seen, 'the only one', 'all')} observed here) {head}; "
                        f"{text.who(f.unobserved, capital=False)} {text.agree(f.unobserved, 'is', 'are')} not "

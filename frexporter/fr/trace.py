@@ -5,6 +5,10 @@ unknown keys; an entry that is malformed is dropped and counted, never raised.
 The differences between JSON and pickle dumps (string vs int ``pg_status``, 0 vs
 None for unset times, list vs tuple ``process_group``, an absent ``entries`` key)
 are absorbed here.
+
+A dump past one of the bounds below is refused whole (SpoolError with a
+``spool.LIMIT_REASONS`` reason), never cut short: the entries past a cut would be the
+newest, the ones in flight, and a PG name cut short could be another PG's.
 """
 
 from __future__ import annotations
@@ -12,12 +16,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from frexporter.spool import INT_MAX, INT_MIN, RawPGStatus, SpoolError, parse_pg_status
+from frexporter.spool import (
+    INT_MAX,
+    INT_MIN,
+    LIMIT_ITEMS,
+    LIMIT_TEXT,
+    MAX_PGS,
+    MAX_TEXT_CHARS,
+    RawPGStatus,
+    SpoolError,
+    parse_pg_status,
+)
 
-MAX_ENTRIES = 100_000
+MAX_ENTRIES = 100_000  # entries of one dump: torch's ring holds TORCH_FR_BUFFER_SIZE of them (2000 by default)
+MAX_ENTRY_TENSORS = 1024  # shapes, and dtypes, in one entry's input or output list (a coalesced collective's)
+MAX_TENSOR_DIMS = 32  # dimensions of one shape
+# Dimensions, shapes and dtypes over all entries of one dump. A pickle can hand every entry the same big list
+# for two bytes each (a memo reference); without this bound the parsed dump would be that list's size times
+# the number of entries. A full 100,000-entry ring of collectives on one 2-D tensor each spends 800,000.
+MAX_SIZE_VALUES = 1 << 20
+MAX_OP_CHARS = 128  # profiling_name, e.g. "nccl:all_reduce" or "gloo:send 0->1"
+MAX_WORD_CHARS = 32  # state, dtype, version
+MAX_CONFIG_KEY_CHARS = 64  # keys of a pg_config entry
+MAX_CONFIG_VALUES = 16  # keys of a pg_config entry
+# Text over all of pg_config; its "ranks" values list every member as text (about 1 MB for 131,072 ranks).
+MAX_CONFIG_CHARS = 1 << 24
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a full ring is 100,000 of these
 class FrEntry:
     record_id: int
     pg_id: int
@@ -77,37 +103,77 @@ def _int(v: Any, default: int = 0) -> int:
 
 
 def _text(v: Any, limit: int) -> str:
-    """A scalar as bounded text. Containers are refused: a pickle can share one list under itself
-    many times, and ``str()`` of such a DAG is exponential in the file size."""
+    """A scalar as text; a string longer than ``limit`` refuses the dump. Containers are refused: a pickle
+    can share one list under itself many times, and ``str()`` of such a DAG is exponential in the file size."""
     if isinstance(v, str):
-        return v[:limit]
+        if len(v) > limit:
+            raise SpoolError(LIMIT_TEXT, f"a string of {len(v)} characters, over the bound of {limit}")
+        return v
     if v is None or isinstance(v, (bool, float)) or (isinstance(v, int) and INT_MIN <= v <= INT_MAX):
-        return str(v)[:limit]
+        return str(v)[:limit]  # a number's text: at most 24 characters, cut only under tiny limits
     raise ValueError(f"expected text, got {type(v).__name__}")
 
 
-def _sizes(v: Any) -> tuple[tuple[int, ...], ...]:
+class _Budget:
+    """What is left of MAX_SIZE_VALUES for one dump, and the lists already converted: a pickle that hands
+    every entry the same list (a memo reference) is converted once, though charged for every use."""
+
+    __slots__ = ("done", "left")
+
+    def __init__(self) -> None:
+        self.left = MAX_SIZE_VALUES
+        # id() of a list in the decoded dump -> (its cost, its conversion); the dump outlives the parse
+        self.done: dict[int, tuple[int, tuple[Any, ...]]] = {}
+
+    def spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise SpoolError(LIMIT_ITEMS, f"tensor sizes and dtypes over {MAX_SIZE_VALUES} values in all")
+
+
+def _tensors(v: Any) -> list[Any] | tuple[Any, ...]:
+    if len(v) > MAX_ENTRY_TENSORS:
+        raise SpoolError(LIMIT_ITEMS, f"an entry lists {len(v)} tensors, over the bound of {MAX_ENTRY_TENSORS}")
+    return v
+
+
+def _sizes(v: Any, budget: _Budget) -> tuple[tuple[int, ...], ...]:
     if not isinstance(v, (list, tuple)):
         return ()
-    out = []
-    for shape in v[:64]:
-        if isinstance(shape, (list, tuple)):
-            out.append(tuple(_int(d) for d in shape[:16]))
-    return tuple(out)
+    done = budget.done.get(id(v))
+    if done is None:
+        out = []
+        cost = 0
+        for shape in _tensors(v):
+            if isinstance(shape, (list, tuple)):
+                if len(shape) > MAX_TENSOR_DIMS:
+                    raise SpoolError(LIMIT_ITEMS, f"a shape of {len(shape)} dimensions, over the bound of "
+                                                  f"{MAX_TENSOR_DIMS}")
+                cost += 1 + len(shape)
+                out.append(tuple(_int(d) for d in shape))
+        done = budget.done[id(v)] = (cost, tuple(out))
+    budget.spend(done[0])
+    return done[1]
 
 
-def _strs(v: Any) -> tuple[str, ...]:
+def _strs(v: Any, budget: _Budget) -> tuple[str, ...]:
     if not isinstance(v, (list, tuple)):
         return ()
-    return tuple(_text(x, 32) for x in v[:64])
+    done = budget.done.get(id(v))
+    if done is None:
+        done = budget.done[id(v)] = (len(v), tuple(_text(x, MAX_WORD_CHARS) for x in _tensors(v)))
+    budget.spend(done[0])
+    return done[1]
 
 
-def parse_entry(raw: Any) -> FrEntry:
+def parse_entry(raw: Any, budget: _Budget | None = None) -> FrEntry:
+    """One FR entry; ValueError or TypeError when it is malformed, SpoolError when it is past a bound."""
+    budget = budget or _Budget()
     if not isinstance(raw, dict):
         raise ValueError("entry is not an object")
     pg = raw.get("process_group")
     if isinstance(pg, (list, tuple)) and len(pg) >= 2:
-        pg_name, pg_desc = _text(pg[0], 256), _text(pg[1], 256)
+        pg_name, pg_desc = _text(pg[0], MAX_TEXT_CHARS), _text(pg[1], MAX_TEXT_CHARS)
     else:
         raise ValueError("entry has no process_group")
     timeout = raw.get("timeout_ms")
@@ -120,68 +186,87 @@ def parse_entry(raw: Any) -> FrEntry:
         collective_seq_id=_int(raw.get("collective_seq_id")),
         p2p_seq_id=_int(raw.get("p2p_seq_id")),
         op_id=_int(raw.get("op_id")),
-        profiling_name=_text(raw.get("profiling_name", ""), 128),
+        profiling_name=_text(raw.get("profiling_name", ""), MAX_OP_CHARS),
         time_created_ns=_int(raw.get("time_created_ns")),
-        state=_text(raw.get("state", ""), 32),
+        state=_text(raw.get("state", ""), MAX_WORD_CHARS),
         retired=bool(raw.get("retired", False)),
         timeout_ms=_int(timeout) if isinstance(timeout, (int, float, str)) and not isinstance(timeout, bool)
         else None,
         is_p2p=bool(raw.get("is_p2p", False)),
         duration_ms=float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool)
         else None,
-        input_sizes=_sizes(raw.get("input_sizes")),
-        output_sizes=_sizes(raw.get("output_sizes")),
-        input_dtypes=_strs(raw.get("input_dtypes")),
-        output_dtypes=_strs(raw.get("output_dtypes")),
+        input_sizes=_sizes(raw.get("input_sizes"), budget),
+        output_sizes=_sizes(raw.get("output_sizes"), budget),
+        input_dtypes=_strs(raw.get("input_dtypes"), budget),
+        output_dtypes=_strs(raw.get("output_dtypes"), budget),
         time_discovered_started_ns=max(0, _int(raw.get("time_discovered_started_ns"))),
     )
 
 
 def parse_dump(obj: Any, what: str = "FR dump") -> FrDump:
-    """Turn a decoded FR dump into typed values; raises SpoolError only if it is not a dump at all."""
+    """Turn a decoded FR dump into typed values; raises SpoolError only if it is not a dump at all, or is
+    past one of this module's bounds."""
     if not isinstance(obj, dict):
         raise SpoolError("invalid", f"{what}: expected an object")
     if "version" not in obj and "pg_status" not in obj and "entries" not in obj:
         raise SpoolError("foreign", f"{what}: not a Flight Recorder dump")
-    try:
-        version = _text(obj.get("version", ""), 32)
+    raw_version = obj.get("version", "")
+    try:  # shown, never compared: cut rather than refused
+        version = _text(raw_version[:MAX_WORD_CHARS] if isinstance(raw_version, str) else raw_version,
+                        MAX_WORD_CHARS)
     except ValueError:
         version = ""
     pg_status = parse_pg_status(obj.get("pg_status", {}), what) if "pg_status" in obj else {}
     raw_entries = obj.get("entries") or []
     if not isinstance(raw_entries, (list, tuple)):
         raise SpoolError("invalid", f"{what}: entries must be a list")
+    if len(raw_entries) > MAX_ENTRIES:
+        raise SpoolError(LIMIT_ITEMS, f"{what}: {len(raw_entries)} entries, over the bound of {MAX_ENTRIES}")
     entries = []
     dropped = 0
-    for raw in raw_entries[:MAX_ENTRIES]:
-        try:
-            entries.append(parse_entry(raw))
-        except (ValueError, TypeError, OverflowError):
-            dropped += 1
-    dropped += max(0, len(raw_entries) - MAX_ENTRIES)
+    budget = _Budget()
+    try:
+        for raw in raw_entries:
+            try:
+                entries.append(parse_entry(raw, budget))
+            except (ValueError, TypeError, OverflowError):
+                dropped += 1
+        pg_config = _pg_config(obj.get("pg_config"))
+    except SpoolError as e:
+        raise SpoolError(e.reason, f"{what}: {e}") from e
     return FrDump(
         version=version,
         pg_status=pg_status,
         entries=tuple(entries),
-        pg_config=_pg_config(obj.get("pg_config")),
+        pg_config=pg_config,
         dropped_entries=dropped,
     )
 
 
 def _pg_config(raw: Any) -> dict[str, dict[str, Any]]:
-    """``{name: {"name", "desc", "ranks": "<str of list>"}}`` with scalar values only, so that later
-    ``str()`` or ``json.loads`` of a value costs no more than its size."""
+    """``{name: {"name", "desc", "ranks": "<str of list>"}}`` with text values only, so that later
+    ``str()`` or ``json.loads`` of a value costs no more than its size, and MAX_CONFIG_CHARS of it in all."""
     if not isinstance(raw, dict):
         return {}
+    if len(raw) > MAX_PGS:
+        raise SpoolError(LIMIT_ITEMS, f"pg_config has {len(raw)} entries, over the bound of {MAX_PGS}")
     out: dict[str, dict[str, Any]] = {}
-    for name, cfg in list(raw.items())[:MAX_ENTRIES]:
+    chars = 0
+    for name, cfg in raw.items():
         if not isinstance(name, str) or not isinstance(cfg, dict):
             continue
+        if len(cfg) > MAX_CONFIG_VALUES:
+            raise SpoolError(LIMIT_ITEMS, f"a pg_config entry has {len(cfg)} keys, over the bound of "
+                                          f"{MAX_CONFIG_VALUES}")
         clean = {}
-        for key, value in list(cfg.items())[:16]:
+        for key, value in cfg.items():
             try:
-                clean[_text(key, 64)] = value if isinstance(value, str) else _text(value, 64)
+                text = _text(value, MAX_CONFIG_CHARS)
+                clean[_text(key, MAX_CONFIG_KEY_CHARS)] = text
             except ValueError:
                 continue
-        out[name[:256]] = clean
+            chars += len(text)
+            if chars > MAX_CONFIG_CHARS:
+                raise SpoolError(LIMIT_TEXT, f"pg_config holds over {MAX_CONFIG_CHARS} characters of text")
+        out[_text(name, MAX_TEXT_CHARS)] = clean
     return out

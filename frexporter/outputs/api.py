@@ -1,43 +1,78 @@
-"""JSON status API and the human page: plain views of one NodeSnapshot."""
+"""JSON status API and the human page: plain views of one NodeSnapshot.
+
+Both are bounded for any spool content (the spool is untrusted): a list past its bound is cut and
+flagged, never silently; counts such as a PG's ``size`` stay whole.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import html
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from frexporter import __version__
+from frexporter.analysis.verdicts import Verdict
 from frexporter.model import NodeSnapshot, PGState, RankState
+
+MAX_LISTED_MEMBERS = 64  # member ranks per process group (its "size" is the whole count)
+MAX_LISTED_RANKS = 256  # ranks of the node
+MAX_LISTED_RANK_PGS = 256  # process groups per rank
+MAX_LISTED_PGS = 1024  # process groups over all ranks, in rank order (the node view sums up the same ones)
+MAX_LISTED_VERDICTS = 256
+MAX_LISTED_ITEMS = 64  # any list inside a verdict, and entries of a rank's recorder error map
+MAX_LISTED_SHAPES = 4  # tensor shapes (and dtypes) of a PG's oldest in-flight collective
+TRUNCATED = "_truncated"  # suffix of the flag that says a list was cut: "ranks" -> "ranks_truncated"
+
+
+def _cut(out: dict[str, Any], key: str, items: Sequence[Any], limit: int) -> None:
+    """``out[key]`` = the first ``limit`` items, and ``out[key + "_truncated"]`` = whether any were left out."""
+    out[key] = list(items[:limit])
+    out[key + TRUNCATED] = len(items) > limit
 
 
 def _pg_json(pg: PGState, now: float) -> dict[str, Any]:
     oldest = pg.oldest_inflight
-    return {
-        "pg": pg.name,
-        "pg_desc": pg.desc,
-        "ranks": list(pg.ranks),
-        "backend": pg.backend,
-        "last_enqueued_seq": pg.last_enqueued,
-        "last_started_seq": pg.last_started,
-        "last_completed_seq": pg.last_completed,
-        "inflight_collectives": pg.inflight_count,
-        "oldest_inflight": None if oldest is None or pg.inflight_count == 0 else {
+    out: dict[str, Any] = {"pg": pg.name, "pg_desc": pg.desc, "size": pg.size}
+    _cut(out, "ranks", pg.ranks, MAX_LISTED_MEMBERS)
+    inflight = None
+    if oldest is not None and pg.inflight_count != 0:
+        inflight = {
             "seq": oldest.seq,
             "op": oldest.op,
             "since": oldest.created,
             "age_seconds": round(max(0.0, now - oldest.created), 3),
             "timeout_seconds": oldest.timeout_seconds,
-            "input_sizes": [list(s) for s in oldest.input_sizes],
-            "input_dtypes": list(oldest.input_dtypes),
-        },
+        }
+        _cut(inflight, "input_sizes", [list(s) for s in oldest.input_sizes[:MAX_LISTED_SHAPES + 1]],
+             MAX_LISTED_SHAPES)
+        _cut(inflight, "input_dtypes", oldest.input_dtypes, MAX_LISTED_SHAPES)
+    out.update({
+        "backend": pg.backend,
+        "last_enqueued_seq": pg.last_enqueued,
+        "last_started_seq": pg.last_started,
+        "last_completed_seq": pg.last_completed,
+        "inflight_collectives": pg.inflight_count,
+        "oldest_inflight": inflight,
         "timeout_seconds": pg.timeout_seconds,
         "last_progress": pg.last_progress,
         "exact": pg.exact,
         "has_p2p": pg.has_p2p,
-    }
+    })
+    return out
 
 
-def _rank_json(r: RankState, now: float) -> dict[str, Any]:
-    return {
+def _listed(ranks: Iterable[RankState]) -> Iterable[tuple[RankState, tuple[PGState, ...]]]:
+    """Each listed rank with the PGs listed for it: the same choice for the JSON and the HTML page."""
+    budget = MAX_LISTED_PGS
+    for r in ranks:
+        pgs = r.pgs[:min(MAX_LISTED_RANK_PGS, budget)]
+        budget -= len(pgs)
+        yield r, pgs
+
+
+def _rank_json(r: RankState, pgs: tuple[PGState, ...], now: float) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "job_id": r.job_id,
         "rank": r.rank,
         "local_rank": r.local_rank,
@@ -52,42 +87,98 @@ def _rank_json(r: RankState, now: float) -> dict[str, Any]:
         "heartbeat_age_seconds": None if r.heartbeat_age is None else round(r.heartbeat_age, 3),
         "socket_alive": r.socket_alive,
         "last_deep_read": r.last_deep_read,  # when the exporter last read this rank's FR entries over its socket
-        "recorder_errors": dict(r.recorder_errors),
+        "recorder_errors": dict(list(r.recorder_errors.items())[:MAX_LISTED_ITEMS]),
         "message": r.message,
-        "process_groups": [_pg_json(pg, now) for pg in r.pgs],
+        "process_groups": [_pg_json(pg, now) for pg in pgs],
+        "process_groups_total": len(r.pgs),
     }
+    out["process_groups" + TRUNCATED] = len(pgs) < len(r.pgs)
+    return out
 
 
-def _process_groups(snap: NodeSnapshot) -> list[dict[str, Any]]:
-    """Per (job, PG) across the local ranks: who is where, and the skew between them."""
+def _process_groups(snap: NodeSnapshot, listed: list[tuple[RankState, tuple[PGState, ...]]]
+                    ) -> tuple[list[dict[str, Any]], bool]:
+    """Per (job, PG) across the local ranks: who is where, and the skew between them. Made of the (rank, PG)
+    pairs the rank view lists; a pair left out flags its group, or the whole view when its group is not listed."""
     groups: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in snap.ranks:
-        for pg in r.pgs:
-            g = groups.setdefault((r.job_id, pg.name), {
-                "job_id": r.job_id, "pg": pg.name, "pg_desc": pg.desc, "size": pg.size,
-                "ranks": list(pg.ranks), "local_ranks": {},
-            })
+    for r, pgs in listed:
+        for pg in pgs:
+            g = groups.get((r.job_id, pg.name))
+            if g is None:
+                g = groups[(r.job_id, pg.name)] = {"job_id": r.job_id, "pg": pg.name, "pg_desc": pg.desc,
+                                                   "size": pg.size}
+                _cut(g, "ranks", pg.ranks, MAX_LISTED_MEMBERS)
+                g["local_ranks"] = {}
+                g["local_ranks" + TRUNCATED] = False
             g["local_ranks"][str(r.rank)] = {
                 "last_enqueued_seq": pg.last_enqueued,
                 "last_completed_seq": pg.last_completed,
                 "inflight_collectives": pg.inflight_count,
             }
+    shown = {id(r): len(pgs) for r, pgs in listed}
+    cut = False
+    for r in snap.ranks:
+        for pg in r.pgs[shown.get(id(r), 0):]:
+            g = groups.get((r.job_id, pg.name))
+            if g is None:
+                cut = True
+            else:
+                g["local_ranks" + TRUNCATED] = True
     out = []
     for g in groups.values():
         enq = [v["last_enqueued_seq"] for v in g["local_ranks"].values()]
         g["enqueued_skew"] = max(enq) - min(enq) if enq else 0
         out.append(g)
-    return sorted(out, key=lambda g: (g["job_id"], g["pg"]))
+    return sorted(out, key=lambda g: (g["job_id"], g["pg"])), cut
+
+
+def _bounded(value: Any) -> Any:
+    """JSON with every list cut to MAX_LISTED_ITEMS, flagged next to it where it sits in an object."""
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if isinstance(item, list) and len(item) > MAX_LISTED_ITEMS:
+                out[key + TRUNCATED] = True
+            out[key] = _bounded(item)
+        return out
+    if isinstance(value, list):
+        return [_bounded(v) for v in value[:MAX_LISTED_ITEMS]]
+    return value
+
+
+def _precut(value: Any) -> Any:
+    """``value`` with every collection cut to one past MAX_LISTED_ITEMS: enough for ``_bounded`` to flag it,
+    without turning a verdict's 100,000 unobserved ranks into JSON first."""
+    if isinstance(value, Mapping):  # the engine bounds its maps (MAX_DETAIL_RANKS), not its lists
+        return {k: _precut(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        value = sorted(value)
+    if isinstance(value, (list, tuple)):
+        return [_precut(v) for v in value[:MAX_LISTED_ITEMS + 1]]
+    return value
+
+
+def _verdict_json(v: Verdict) -> dict[str, Any]:
+    cut = dataclasses.replace(v, ranks=tuple(v.ranks[:MAX_LISTED_ITEMS + 1]),
+                              waiting_ranks=tuple(v.waiting_ranks[:MAX_LISTED_ITEMS + 1]), details=_precut(v.details))
+    return _bounded(cut.to_json())
 
 
 def status_json(snap: NodeSnapshot) -> dict[str, Any]:
+    listed = list(_listed(snap.ranks[:MAX_LISTED_RANKS]))
+    groups, groups_cut = _process_groups(snap, listed)
     return {
         "version": __version__,
         "hostname": snap.hostname,
         "time": snap.time,
-        "ranks": [_rank_json(r, snap.time) for r in snap.ranks],
-        "process_groups": _process_groups(snap),
-        "verdicts": [v.to_json() for v in snap.verdicts],
+        "ranks": [_rank_json(r, pgs, snap.time) for r, pgs in listed],
+        "ranks_total": len(snap.ranks),
+        "ranks" + TRUNCATED: len(snap.ranks) > MAX_LISTED_RANKS,
+        "process_groups": groups,
+        "process_groups" + TRUNCATED: groups_cut,
+        "verdicts": [_verdict_json(v) for v in snap.verdicts[:MAX_LISTED_VERDICTS]],
+        "verdicts_total": len(snap.verdicts),
+        "verdicts" + TRUNCATED: len(snap.verdicts) > MAX_LISTED_VERDICTS,
         "sources": [
             {"source": s.name, "up": s.up, "duration_seconds": s.duration_seconds,
              "errors_total": dict(s.errors_total), "last_error": s.last_error}
@@ -99,8 +190,8 @@ def status_json(snap: NodeSnapshot) -> dict[str, Any]:
 def status_html(snap: NodeSnapshot) -> str:
     e = html.escape
     rows = []
-    for r in snap.ranks:
-        for pg in r.pgs or (None,):
+    for r, pgs in _listed(snap.ranks[:MAX_LISTED_RANKS]):
+        for pg in pgs or (None,):
             cells = [r.job_id, str(r.rank), r.status,
                      "" if r.heartbeat_age is None else f"{r.heartbeat_age:.1f}s"]
             if pg is None:
@@ -112,8 +203,15 @@ def status_html(snap: NodeSnapshot) -> str:
                 cells += [pg.name if len(pg.name) <= 12 else pg.name[:10] + "…", pg.desc,
                           str(pg.last_enqueued), str(pg.last_completed), str(pg.inflight_count), age]
             rows.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
-    verdicts = "".join(f"<li><b>{e(v.kind)}</b>: {e(v.summary)}</li>" for v in snap.verdicts) or (
-        "<li>none: no rank is stuck</li>")
+        if len(pgs) < len(r.pgs):
+            rows.append(f"<tr><td colspan='10'>… {len(r.pgs) - len(pgs)} more process groups of rank {r.rank} "
+                        "not listed</td></tr>")
+    if len(snap.ranks) > MAX_LISTED_RANKS:
+        rows.append(f"<tr><td colspan='10'>… {len(snap.ranks) - MAX_LISTED_RANKS} more ranks not listed</td></tr>")
+    verdicts = "".join(f"<li><b>{e(v.kind)}</b>: {e(v.summary)}</li>"
+                       for v in snap.verdicts[:MAX_LISTED_VERDICTS]) or "<li>none: no rank is stuck</li>"
+    if len(snap.verdicts) > MAX_LISTED_VERDICTS:
+        verdicts += f"<li>… {len(snap.verdicts) - MAX_LISTED_VERDICTS} more verdicts not listed</li>"
     sources = ", ".join(f"{e(s.name)}={'up' if s.up else 'DOWN: ' + e(s.last_error)}" for s in snap.sources)
     head = ["job", "rank", "status", "heartbeat age", "pg", "desc", "enqueued", "completed", "in flight",
             "oldest in flight"]
