@@ -97,6 +97,8 @@ def build_app(
         evidence = EvidenceWriter(EvidenceConfig(directory=target, stacks=evidence_stacks))
     events = VerdictEvents(directory, evidence)
     exporter.poll_listeners.append(events)
+    if evidence is not None:
+        exporter.extra_sources.append(events.status)
     otlp = None
     if otlp_endpoint:  # before the server binds: a bad endpoint must not leave a listening socket behind
         from frexporter.outputs.otlp import OtlpPusher
