@@ -111,6 +111,8 @@ def build_app(
         evidence = EvidenceWriter(EvidenceConfig(directory=target, stacks=evidence_stacks))
     events = VerdictEvents(directory, evidence, confirm_after=verdict_confirm_after)
     exporter.poll_listeners.append(events)
+    if evidence is not None:
+        exporter.output_statuses.append(events.status)
     otlp = None
     if otlp_endpoint:  # before the server binds: a bad endpoint must not leave a listening socket behind
         from frexporter.outputs.otlp import OtlpPusher

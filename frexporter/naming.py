@@ -91,6 +91,7 @@ SOURCE_ERROR_LABELS = (L_SOURCE, L_REASON)
 # Sources
 SOURCE_RANKS = "ranks"
 SOURCE_NVML = "nvml"
+SOURCE_EVIDENCE = "evidence"  # evidence capture: up while its directory is usable; errors = captures lost
 
 # GPUs (NVML source; frexporter/outputs/gpu_metrics.py). Labels `gpu` (NVML
 # index) and `gpu_uuid` on every series.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import socket
 import ssl
 import sys
@@ -23,11 +22,10 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from frexporter import spool
 from frexporter.exporter import Exporter
 from frexporter.outputs import exposition
 from frexporter.outputs.api import status_html, status_json
-from frexporter.outputs.evidence import VERDICT_FILE
+from frexporter.outputs.evidence import list_evidence
 from frexporter.outputs.identity import IdentityCollector
 from frexporter.outputs.prometheus import SnapshotCollector
 from frexporter.web.webconfig import BasicAuth, TLSContextSource, WebConfig
@@ -37,7 +35,6 @@ log = logging.getLogger("frexporter.web.server")
 # A client that opens a connection and never finishes the TLS handshake must not hold a thread forever.
 HANDSHAKE_TIMEOUT = 10.0
 EVIDENCE_PATH = "/api/v1/evidence"
-MAX_VERDICT_FILE_BYTES = 1024 * 1024
 TEXT = "text/plain; charset=utf-8"
 
 
@@ -216,64 +213,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s " + format, self.address_string(), *args)
-
-
-def list_evidence(directory: str) -> list[dict[str, Any]]:
-    """The evidence bundles under ``directory``, newest first: name, size, and what their verdict says.
-
-    The directory sits in the spool, which ranks (other users in group mode) can write: every
-    verdict.json is read bounded and type-checked, and a bad one is listed with its error.
-    """
-    bundles = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.is_dir(follow_symlinks=False):
-            continue
-        files, size = 0, 0
-        try:
-            with os.scandir(entry.path) as contents:
-                for item in contents:
-                    if item.is_file(follow_symlinks=False):
-                        files += 1
-                        size += item.stat(follow_symlinks=False).st_size
-            mtime = entry.stat(follow_symlinks=False).st_mtime
-        except OSError:
-            continue  # pruned while we looked
-        bundle: dict[str, Any] = {"name": entry.name, "bytes": size, "files": files, "modified": mtime}
-        try:
-            doc = spool.read_json_file(os.path.join(entry.path, VERDICT_FILE), MAX_VERDICT_FILE_BYTES)
-            bundle.update(_verdict_summary(doc))
-        except spool.SpoolError as e:
-            bundle["error"] = e.reason
-        bundles.append(bundle)
-    bundles.sort(key=lambda b: (b.get("captured_at") or b["modified"], b["name"]), reverse=True)
-    return bundles
-
-
-_VERDICT_FIELDS = {"kind": str, "job_id": str, "pg": str, "pg_desc": str, "op": str, "summary": str, "seq": int,
-                   "ranks": list, "waiting_ranks": list}
-
-
-def _verdict_summary(doc: Any) -> dict[str, Any]:
-    if not isinstance(doc, dict) or not isinstance(doc.get("verdict"), dict):
-        return {"error": "invalid"}
-    verdict = {}
-    for key, kind in _VERDICT_FIELDS.items():
-        value = doc["verdict"].get(key)
-        if isinstance(value, kind) and not isinstance(value, bool):
-            if isinstance(value, str):
-                value = value[:500]
-            elif isinstance(value, list):
-                value = [r for r in value[:1000] if isinstance(r, int) and not isinstance(r, bool)]
-            verdict[key] = value
-    out: dict[str, Any] = {"verdict": verdict}
-    captured = doc.get("captured_at")
-    if isinstance(captured, (int, float)) and not isinstance(captured, bool):
-        out["captured_at"] = float(captured)
-    return out
 
 
 class MetricsServer:
