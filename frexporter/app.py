@@ -11,7 +11,7 @@ from frexporter import spool
 from frexporter.analysis import VerdictConfig, make_analyzer
 from frexporter.evidence import EvidenceConfig, EvidenceWriter
 from frexporter.exporter import Exporter, Source
-from frexporter.server import MetricsServer
+from frexporter.server import DEFAULT_MAX_CONNECTIONS, MetricsServer
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from frexporter.verdict_events import VerdictEvents
 from frexporter.webconfig import WebConfig, check_debug_exposure
@@ -68,12 +68,14 @@ def build_app(
     per_rank_durations: bool = False,
     web_config: WebConfig | None = None,
     debug_endpoints: bool = False,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> App:
     """``evidence_dir``: None for ``<spool>/evidence``, "" to capture no evidence. ``per_rank_durations``: label
     collective durations and bytes by rank (one histogram per rank, PG and op) instead of summing the node's.
 
     ``web_config``: TLS and basic auth for every endpoint. ``debug_endpoints`` adds /api/v1/evidence; it
     raises WebConfigError (a ValueError) on a non-loopback ``host`` unless TLS and authentication are on.
+    ``max_connections``: open HTTP connections at most; more are closed unserved.
     """
     if debug_endpoints:
         check_debug_exposure(host, web_config)
@@ -105,5 +107,5 @@ def build_app(
         exporter.poll_listeners.append(otlp.observe)
         exporter.extra_sources.append(otlp.status)
     server = MetricsServer(exporter, host, port, web_config=web_config, debug_endpoints=debug_endpoints,
-                           evidence_dir=target)
+                           evidence_dir=target, max_connections=max_connections)
     return App(exporter=exporter, server=server, otlp=otlp, events=events)

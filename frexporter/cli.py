@@ -11,6 +11,8 @@ import sys
 import threading
 
 from frexporter import __version__, spool
+from frexporter import naming as n
+from frexporter.server import DEFAULT_MAX_CONNECTIONS
 from frexporter.sources.ranks import DEFAULT_DEEP_INTERVAL
 
 DEFAULT_LISTEN = ":9477"
@@ -58,6 +60,16 @@ def _non_negative(value: str) -> float:
     return number
 
 
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from e
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="frexporter",
@@ -97,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--web-config", default=None, metavar="FILE",
                        help="TLS and basic auth for every endpoint, from a Prometheus exporter-toolkit web config "
                             "file (tls_server_config, basic_auth_users, http_server_config); see SECURITY.md")
+    serve.add_argument("--web-max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                       help="open HTTP connections at most, kept-alive ones included; more are closed unserved "
+                            f"(a 503 over plain HTTP) and counted in {n.HTTP_CONNECTIONS_REJECTED_TOTAL} "
+                            f"(default {DEFAULT_MAX_CONNECTIONS})")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve /api/v1/evidence (the evidence bundles and their verdicts); refused on a "
                             "non-loopback --listen unless --web-config sets up TLS and authentication")
@@ -190,7 +206,8 @@ def _serve(args: argparse.Namespace) -> int:
                         otlp_endpoint=args.otlp_endpoint, otlp_interval=args.otlp_interval,
                         otlp_protocol=args.otlp_protocol, evidence_dir=args.evidence_dir,
                         evidence_stacks=args.evidence_stacks, web_config=web_config,
-                        debug_endpoints=args.enable_debug_endpoints)
+                        debug_endpoints=args.enable_debug_endpoints,
+                        max_connections=args.web_max_connections)
     except OSError as e:
         print(f"frexporter: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1
