@@ -4,11 +4,16 @@ Run by hand: ``python -m benchmarks.exporter_bench [--seconds 20]``. Ranks are s
 separate writer process that refreshes every rank's snapshot once per second (as live ranks do);
 8 fake GPUs sit behind the NVML interface. The baseline row is the same exporter over an empty
 spool directory, measured in the same run.
+
+Then, in-process on one snapshot per size: frexporter's text encoder against prometheus_client's
+``generate_latest`` on the same registry (and the OpenMetrics one Prometheus negotiates), runs
+interleaved, and what gzip costs per compression level (``--encoders-only`` for this part alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shutil
@@ -20,13 +25,21 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
 from frexporter.app import App
 from frexporter.exporter import Exporter
+from frexporter.model import NodeSnapshot
+from frexporter.outputs import exposition
+from frexporter.outputs.prometheus import SnapshotCollector
 from frexporter.sources.nvml import NvmlSource
 from frexporter.sources.ranks import RanksConfig, RanksSource
-from frexporter.web.server import MetricsServer
+from frexporter.web.server import GZIP_LEVEL, MetricsServer
 from tests import spoolgen
 from tests.fakes.gpu import FakeGpu, FakeGpuBackend
+
+GZIP_LEVELS = (1, GZIP_LEVEL, 9)
 
 WRITER = """
 import sys, time
@@ -50,7 +63,8 @@ def rss_bytes() -> int:
     return 0
 
 
-def measure(ranks: int, pgs: int, gpus: int, seconds: float, fresh_scrapes: int = 30) -> dict[str, float]:
+def measure(ranks: int, pgs: int, gpus: int, seconds: float, fresh_scrapes: int = 30,
+            rounds: int = 50) -> dict[str, float]:
     directory = Path(tempfile.mkdtemp(prefix="frexporter-bench-"))
     for r in range(ranks):
         spoolgen.write_rank(directory, "bench", r, pgs=pgs, world=max(ranks, 1), mapped=True)
@@ -90,7 +104,9 @@ def measure(ranks: int, pgs: int, gpus: int, seconds: float, fresh_scrapes: int 
             elapsed, body = scrape()
             latencies.append(elapsed)
         series = sum(1 for line in body.decode().splitlines() if line and not line.startswith("#"))
+        encoders = compare_encoders(exporter.snapshot, rounds) if rounds else {}
         return {
+            **encoders,
             "ranks": ranks, "pgs": pgs, "gpus": gpus,
             "metrics_fresh_median_ms": statistics.median(fresh) * 1e3 if fresh else None,
             "metrics_fresh_max_ms": max(fresh) * 1e3 if fresh else None,
@@ -108,15 +124,70 @@ def measure(ranks: int, pgs: int, gpus: int, seconds: float, fresh_scrapes: int 
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def compare_encoders(snapshot: NodeSnapshot, rounds: int) -> dict[str, float]:
+    """Median milliseconds per render of one snapshot: collect alone, frexporter's encoder, generate_latest and
+    the OpenMetrics generate_latest, in interleaved rounds so that a busy machine slows all alike; then gzip."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snapshot))
+    body = exposition.encode(registry)
+    assert body == generate_latest(registry), "the encoders disagree"
+    contenders = {
+        "collect": lambda: list(registry.collect()),
+        "custom": lambda: exposition.encode(registry),
+        "generate_latest": lambda: generate_latest(registry),
+        "openmetrics": lambda: generate_openmetrics(registry),
+    }
+    for level in GZIP_LEVELS:
+        contenders[f"gzip{level}"] = lambda level=level: gzip.compress(body, level)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, run in contenders.items():
+            t = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t)
+    row = {f"{name}_ms": statistics.median(samples) * 1e3 for name, samples in times.items()}
+    row["text_bytes"] = len(body)
+    for level in GZIP_LEVELS:
+        row[f"gzip{level}_bytes"] = len(gzip.compress(body, level))
+    return row
+
+
+def print_encoders(rows: list[dict[str, float]]) -> None:
+    print(f"\n{'ranks':>5} {'pgs':>4} {'series':>7} {'collect':>9} {'custom':>9} {'generate_latest':>16} "
+          f"{'ratio':>6} {'openmetrics':>12}   text body; gzip by level: ms, size")
+    for row in rows:
+        if "custom_ms" not in row:
+            continue
+        gz = "  ".join(f"{level}: {row[f'gzip{level}_ms']:.2f} ms {row[f'gzip{level}_bytes'] / 1024:.0f} KiB"
+                       for level in GZIP_LEVELS)
+        print(f"{row['ranks']:>5} {row['pgs']:>4} {row['series']:>7} {row['collect_ms']:>6.2f} ms "
+              f"{row['custom_ms']:>6.2f} ms {row['generate_latest_ms']:>13.2f} ms "
+              f"{row['generate_latest_ms'] / row['custom_ms']:>5.2f}x {row['openmetrics_ms']:>9.2f} ms   "
+              f"{row['text_bytes'] / 1024:.0f} KiB; {gz}")
+    print("in-process medians of interleaved rounds on the last snapshot of each run; custom and generate_latest "
+          "include collect and give identical bytes (text 0.0.4); ratio = generate_latest / custom. Prometheus "
+          "asks for OpenMetrics first, which prometheus_client renders.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=20.0, help="poll-only window per configuration")
+    parser.add_argument("--rounds", type=int, default=50, help="interleaved rounds of the encoder comparison")
+    parser.add_argument("--encoders-only", action="store_true",
+                        help="only the encoder comparison (a short run of the writer, no latency measurements)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.encoders_only:
+        rows = [measure(ranks, 16, 8, 3.0, fresh_scrapes=0, rounds=args.rounds) for ranks in (8, 64)]
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            print_encoders(rows)
+        return
     rows = [
-        measure(0, 0, 0, args.seconds),
-        measure(8, 16, 8, args.seconds),
-        measure(64, 16, 8, args.seconds),
+        measure(0, 0, 0, args.seconds, rounds=0),
+        measure(8, 16, 8, args.seconds, rounds=args.rounds),
+        measure(64, 16, 8, args.seconds, rounds=args.rounds),
     ]
     base = rows[0]
     if args.json:
@@ -133,6 +204,8 @@ def main() -> None:
     print("fresh: the first scrape after a poll (renders the new snapshot; what a 15 s scrape sees); repeat: "
           "scrapes of one snapshot, which share its render. Budgets: fresh median < 10 ms at 8 ranks x 16 PGs, "
           "< 50 ms at 64; RSS < 80 MB; poll CPU < 2 %.")
+    print_encoders(rows)
+
 
 if __name__ == "__main__":
     main()

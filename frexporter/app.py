@@ -72,6 +72,7 @@ def build_app(
     web_config: WebConfig | None = None,
     debug_endpoints: bool = False,
     strict_permissions: bool = False,
+    max_connections: int = defaults.WEB_MAX_CONNECTIONS,
 ) -> App:
     """``sources``: names from ``frexporter.sources.SOURCES`` to read. ``evidence_dir``: None for
     ``<spool>/evidence``, "" to capture no evidence. ``per_rank_durations``: label collective durations and
@@ -83,6 +84,7 @@ def build_app(
     raises WebConfigError (a ValueError) on a non-loopback ``host`` unless TLS and authentication are on.
     ``strict_permissions``: the ranks source stops reading (source down) while the spool is open to others,
     instead of warning.
+    ``max_connections``: open HTTP connections at most; more are closed unserved.
     """
     if debug_endpoints:
         check_debug_exposure(host, web_config)
@@ -121,5 +123,5 @@ def build_app(
         exporter.poll_listeners.append(otlp.observe)
         exporter.output_statuses.append(otlp.status)
     server = MetricsServer(exporter, host, port, web_config=web_config, debug_endpoints=debug_endpoints,
-                           evidence_dir=target, nvlink_per_link=nvlink_per_link)
+                           evidence_dir=target, nvlink_per_link=nvlink_per_link, max_connections=max_connections)
     return App(exporter=exporter, server=server, otlp=otlp, events=events)

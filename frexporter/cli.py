@@ -11,6 +11,7 @@ import sys
 import threading
 
 from frexporter import __version__, defaults, spool
+from frexporter import naming as n
 from frexporter.sources import SOURCES
 
 DEFAULT_LISTEN = defaults.LISTEN
@@ -18,6 +19,7 @@ DEFAULT_POLL_INTERVAL = defaults.POLL_INTERVAL
 DEFAULT_STUCK_AFTER = defaults.STUCK_AFTER
 DEFAULT_RANK_TIMEOUT = defaults.RANK_TIMEOUT
 DEFAULT_DEEP_INTERVAL = defaults.DEEP_INTERVAL
+DEFAULT_MAX_CONNECTIONS = defaults.WEB_MAX_CONNECTIONS
 SPOOL_RECHECK_SECONDS = 1.0
 
 
@@ -56,6 +58,16 @@ def _non_negative(value: str) -> float:
     number = _seconds(value)
     if number < 0:
         raise argparse.ArgumentTypeError(f"{value!r} must be >= 0")
+    return number
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from e
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1")
     return number
 
 
@@ -111,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--web-config", default=None, metavar="FILE",
                        help="TLS and basic auth for every endpoint, from a Prometheus exporter-toolkit web config "
                             "file (tls_server_config, basic_auth_users, http_server_config); see SECURITY.md")
+    serve.add_argument("--web-max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                       help="open HTTP connections at most, kept-alive ones included; more are closed unserved "
+                            f"(a 503 over plain HTTP) and counted in {n.HTTP_CONNECTIONS_REJECTED_TOTAL} "
+                            f"(default {DEFAULT_MAX_CONNECTIONS})")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve /api/v1/evidence (the evidence bundles and their verdicts); refused on a "
                             "non-loopback --listen unless --web-config sets up TLS and authentication")
@@ -207,7 +223,8 @@ def _serve(args: argparse.Namespace) -> int:
                         otlp_endpoint=args.otlp_endpoint, otlp_interval=args.otlp_interval,
                         otlp_protocol=args.otlp_protocol, evidence_dir=args.evidence_dir,
                         evidence_stacks=args.evidence_stacks, web_config=web_config,
-                        debug_endpoints=args.enable_debug_endpoints, strict_permissions=args.strict_permissions)
+                        debug_endpoints=args.enable_debug_endpoints, strict_permissions=args.strict_permissions,
+                        max_connections=args.web_max_connections)
     except OSError as e:
         print(f"frexporter: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1

@@ -16,3 +16,6 @@ DEEP_INTERVAL = 15.0
 DEPARTED_GRACE = 300.0  # seconds a dead rank stays exported
 NVML_INTERVAL = 5.0  # GPU state changes slowly, and NVML calls are not free
 OTLP_INTERVAL = 15.0
+# Open HTTP connections (each holds a thread), kept-alive ones included: one Prometheus (or an HA pair) needs
+# one or two, and room is left for curl, probes and 50 concurrent scrapers (benchmarks/load.py).
+WEB_MAX_CONNECTIONS = 64

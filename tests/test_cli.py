@@ -71,6 +71,9 @@ def test_serve_rejects_bad_flags_with_a_clear_message() -> None:
     assert out.returncode == 2 and "not a finite number" in out.stderr
     out = frexporter("serve", "--deep-interval", "-1")
     assert out.returncode == 2 and "must be >= 0" in out.stderr
+    for value, message in (("0", "must be >= 1"), ("1.5", "is not a whole number")):
+        out = frexporter("serve", "--web-max-connections", value)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
 def test_serve_reports_a_busy_port(tmp_path: Path) -> None:

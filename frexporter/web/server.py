@@ -2,30 +2,44 @@
 
 With a web config (``serve --web-config``) every endpoint sits behind TLS and/or basic auth, /healthz
 included, as in exporter-toolkit. Debug endpoints (``/api/v1/evidence``) exist only when enabled.
+
+Every GET endpoint answers HEAD. /metrics follows prometheus_client's conventions: gzip when the client
+accepts it (Prometheus always does), ``name[]`` to select series by sample name.
+
+Connections are bounded, as in Go's net/http servers: a request's line and headers must arrive within
+HEADER_TIMEOUT of the connection opening (or of the request's first byte on a kept-alive connection), a
+kept-alive connection is closed after IDLE_TIMEOUT without a request, a response must be taken within
+WRITE_TIMEOUT, and at most ``max_connections`` are open at once; more are closed unserved and counted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
+import io
 import json
 import logging
+import math
 import socket
 import ssl
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
+from frexporter import defaults
 from frexporter.exporter import Exporter
 from frexporter.outputs import exposition
 from frexporter.outputs.api import status_html, status_json
 from frexporter.outputs.evidence import list_evidence
+from frexporter.outputs.http_server import HttpServerCollector
 from frexporter.outputs.identity import IdentityCollector
 from frexporter.outputs.prometheus import SnapshotCollector
 from frexporter.web.webconfig import BasicAuth, TLSContextSource, WebConfig
@@ -34,35 +48,85 @@ log = logging.getLogger("frexporter.web.server")
 
 # A client that opens a connection and never finishes the TLS handshake must not hold a thread forever.
 HANDSHAKE_TIMEOUT = 10.0
+# From the connection's start (or a further request's first byte) to the end of the request's headers, in
+# total: a per-read timeout alone lets a client that sends a byte every few seconds hold a thread for ever.
+HEADER_TIMEOUT = 10.0
+# Prometheus keeps one connection per target and scrapes it every 15-60 s: a kept-alive connection outlives
+# that between requests. With a longer scrape interval it is closed and the next scrape opens a new one.
+IDLE_TIMEOUT = 120.0
+# The longest one write of a response may take (a /metrics body is at most a few MB, less gzipped).
+WRITE_TIMEOUT = 30.0
+DEFAULT_MAX_CONNECTIONS = defaults.WEB_MAX_CONNECTIONS
+# socketserver's default of 5 refuses a burst of connections that the accept loop would take in microseconds.
+LISTEN_BACKLOG = 128
+# Cached /metrics renderings per snapshot: the OpenMetrics content type carries the version the client's Accept
+# header asked for, so the variants are the client's to choose.
+MAX_CACHED_VARIANTS = 8
+# zlib's default: a quarter of level 9's time or less, for 6 % more bytes (benchmarks/exporter_bench.py).
+GZIP_LEVEL = 6
 EVIDENCE_PATH = "/api/v1/evidence"
 TEXT = "text/plain; charset=utf-8"
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            b"Content-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n")
 
 
 class _RenderCache:
-    """One rendering of /metrics per (poll snapshot, content type), shared by every scrape of that poll.
+    """The /metrics bodies of one poll snapshot, per (content type, gzip), shared by every scrape of that poll.
 
     Rendering a 64-rank node costs tens of milliseconds of CPU; without this, 50 concurrent scrapers queue
     behind each other's renders of identical data (seconds at p99). The lock makes concurrent scrapes of a
-    new snapshot wait for one render instead of each doing its own.
+    new snapshot wait for one render instead of each doing its own. Gzip is applied once to the cached body.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._bodies: dict[str, tuple[tuple[int, float], bytes]] = {}
+        self._key: Hashable = None
+        self._bodies: dict[tuple[str, bool], bytes] = {}
 
-    def get(self, snapshot: object, content_type: str, render: Callable[[], bytes]) -> bytes:
-        key = (id(snapshot), float(getattr(snapshot, "time", 0.0)))
+    def get(self, key: Hashable, content_type: str, gzipped: bool, render: Callable[[], bytes]) -> bytes:
         with self._lock:
-            cached = self._bodies.get(content_type)
-            if cached is None or cached[0] != key:
-                cached = (key, render())
-                self._bodies[content_type] = cached
-            return cached[1]
+            if key != self._key:
+                self._key, self._bodies = key, {}
+            body = self._bodies.get((content_type, False))
+            if body is None:
+                body = render()
+                self._store((content_type, False), body)
+            if not gzipped:
+                return body
+            packed = self._bodies.get((content_type, True))
+            if packed is None:
+                packed = gzip.compress(body, GZIP_LEVEL)
+                self._store((content_type, True), packed)
+            return packed
+
+    def _store(self, variant: tuple[str, bool], body: bytes) -> None:
+        if len(self._bodies) < MAX_CACHED_VARIANTS:
+            self._bodies[variant] = body
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's reads, each given only what is left until ``deadline`` (monotonic seconds)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self._sock = sock
+        self.deadline = math.inf
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("read deadline passed")
+        self._sock.settimeout(remaining)
+        return self._sock.recv_into(buffer)
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
     exporter: Exporter
     registry: CollectorRegistry
     renders: _RenderCache
@@ -71,11 +135,19 @@ class _Server(ThreadingHTTPServer):
     extra_headers: dict[str, str] = {}
     debug_endpoints: bool = False
     evidence_dir: str = ""
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
         self._open: set[socket.socket] = set()
         self._open_lock = threading.Lock()
+        # Written by the accept loop only.
+        self.rejected = 0
         super().__init__(address, handler)
+
+    def render_key(self) -> Hashable:
+        """What a cached /metrics body depends on: the poll snapshot and this server's own counters."""
+        snapshot = self.exporter.snapshot
+        return id(snapshot), float(getattr(snapshot, "time", 0.0)), self.rejected
 
     def finish_request(self, request: socket.socket, client_address: Any) -> None:  # type: ignore[override]
         if self.tls is None:
@@ -109,11 +181,11 @@ class _Server(ThreadingHTTPServer):
         assert self.tls is not None
         tls_sock = None
         try:
+            # The ssl module bounds the whole handshake by the socket's timeout, not each read.
             request.settimeout(HANDSHAKE_TIMEOUT)
             tls_sock = self.tls.context().wrap_socket(request, server_side=True)
             if not self.tls.config.peer_allowed(tls_sock.getpeercert()):
                 raise ssl.SSLError("client certificate has none of client_allowed_sans")
-            tls_sock.settimeout(None)
             return tls_sock
         except (OSError, ValueError) as e:  # ssl.SSLError and timeouts are OSErrors
             # Debug level: anyone who can reach the port can cause these, and logs must not be theirs to fill.
@@ -124,8 +196,29 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
         with self._open_lock:
-            self._open.add(request)
+            full = len(self._open) >= self.max_connections
+            if not full:
+                self._open.add(request)
+        if full:
+            self.rejected += 1
+            log.debug("refused a connection from %s: %d connections are open", client_address,
+                      self.max_connections)
+            self._refuse(request)
+            return
         super().process_request(request, client_address)
+
+    def _refuse(self, request: socket.socket) -> None:
+        # In the accept loop: nothing here may block. Plain HTTP gets a 503 (the request already sent is read
+        # first, so that closing does not reset the connection before the client reads the answer); a TLS
+        # client would take plain text for a broken handshake, so it is just closed.
+        with contextlib.suppress(OSError):
+            request.setblocking(False)
+            if self.tls is None:
+                with contextlib.suppress(BlockingIOError):
+                    request.recv(65536)
+                request.send(_REFUSED)
+            request.shutdown(socket.SHUT_RDWR)
+        request.close()
 
     def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
         with self._open_lock:
@@ -150,8 +243,47 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
 
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the plain file socketserver made: reads go through the deadline instead
+        self._reader = _DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self._reader)
+        self._requests = 0
+
+    def handle_one_request(self) -> None:
+        # The first request must begin within HEADER_TIMEOUT of the connection; a further one may keep the
+        # client waiting up to IDLE_TIMEOUT. Once it begins, its headers must be complete within HEADER_TIMEOUT.
+        self._reader.deadline = time.monotonic() + (IDLE_TIMEOUT if self._requests else HEADER_TIMEOUT)
+        try:
+            begun = self.rfile.peek(1)
+        except TimeoutError:
+            log.debug("closing %s connection from %s: no request within the timeout",
+                      "idle" if self._requests else "new", self.address_string())
+            begun = b""
+        if not begun:
+            self.close_connection = True
+            return
+        self._requests += 1
+        self._reader.deadline = time.monotonic() + HEADER_TIMEOUT
+        super().handle_one_request()  # closes the connection itself when its reads time out
+
+    def parse_request(self) -> bool:
+        if len(self.raw_requestline.split()) == 2:
+            # HTTP/0.9 (no version): BaseHTTPRequestHandler would wait for headers such a client never sends.
+            self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+            self.request_version = "HTTP/1.0"  # an answer with a status line, which any client can read
+            self.command = None
+            self.close_connection = True
+            self.send_error(HTTPStatus.BAD_REQUEST, "HTTP/0.9 requests are not served")
+            return False
+        return super().parse_request()
+
     def do_GET(self) -> None:
-        path = urlsplit(self.path).path
+        url = urlsplit(self.path)
+        path = url.path
+        if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0").strip() != "0":
+            # No endpoint reads a body: answer, then close rather than read what the client sends after.
+            self.close_connection = True
         try:
             auth = self.server.auth
             # Before routing: an unauthenticated client learns nothing, not even which paths exist.
@@ -160,14 +292,7 @@ class _Handler(BaseHTTPRequestHandler):
                            {"WWW-Authenticate": 'Basic realm="frexporter", charset="UTF-8"'})
                 return
             if path == "/metrics":
-                accept = self.headers.get("Accept", "")
-                encoder, content_type = choose_encoder(accept)
-                if content_type.startswith("text/plain"):
-                    encoder, content_type = exposition.encode, exposition.CONTENT_TYPE
-                registry = self.server.registry
-                body = self.server.renders.get(self.server.exporter.snapshot, content_type,
-                                               lambda: encoder(registry))
-                self._send(200, body, content_type)
+                self._metrics(url.query)
             elif path == "/healthz":
                 self._healthz()
             elif path == "/api/v1/status":
@@ -184,6 +309,29 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:
             log.exception("error serving %s", path)
             self._send(500, b"internal error\n", TEXT)
+
+    # The same answer without its body: _send leaves the body out.
+    do_HEAD = do_GET
+
+    def _metrics(self, query: str) -> None:
+        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+        if content_type.startswith("text/plain"):
+            encoder, content_type = exposition.encode, exposition.CONTENT_TYPE
+        gzipped = gzip_accepted(self.headers.get("Accept-Encoding", ""))
+        server = self.server
+        names = parse_qs(query).get("name[]")
+        if names:
+            # Chosen by the client: rendered for this request only, never cached.
+            body = encoder(server.registry.restricted_registry(names))
+            if gzipped:
+                body = gzip.compress(body, GZIP_LEVEL)
+        else:
+            registry = server.registry
+            body = server.renders.get(server.render_key(), content_type, gzipped, lambda: encoder(registry))
+        headers = {"Vary": "Accept-Encoding"}
+        if gzipped:
+            headers["Content-Encoding"] = "gzip"
+        self._send(200, body, content_type, headers)
 
     def _evidence(self) -> None:
         if not self.server.debug_endpoints:
@@ -203,13 +351,23 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(503, f"poll loop stale ({age:.0f}s since last poll)\n".encode(), TEXT)
 
     def _send(self, code: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.send_response(code)
+        headers = {**self.server.extra_headers, **(headers or {})}
+        # The access log, at debug level, says what was served: size, encoding and client.
+        log.debug('%s "%s" %d %d %s %r', self.address_string(), self.requestline, code, len(body),
+                  headers.get("Content-Encoding", "identity"), self.headers.get("User-Agent", "")[:100])
+        self.connection.settimeout(WRITE_TIMEOUT)
+        self.send_response_only(code)
+        self.send_header("Server", self.version_string())
+        self.send_header("Date", self.date_time_string())
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        for name, value in {**self.server.extra_headers, **(headers or {})}.items():
+        for name, value in headers.items():
             self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s " + format, self.address_string(), *args)
@@ -217,8 +375,12 @@ class _Handler(BaseHTTPRequestHandler):
 
 class MetricsServer:
     def __init__(self, exporter: Exporter, host: str, port: int, web_config: WebConfig | None = None,
-                 debug_endpoints: bool = False, evidence_dir: str = "", nvlink_per_link: bool = False) -> None:
-        registry = CollectorRegistry(auto_describe=False)
+                 debug_endpoints: bool = False, evidence_dir: str = "", nvlink_per_link: bool = False,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        # Collectors without describe(): restricted_registry (name[]) filters their output only with this on.
+        registry = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
         registry.register(SnapshotCollector(lambda: exporter.snapshot, nvlink_per_link=nvlink_per_link))
         registry.register(IdentityCollector())
         # Built before binding: a bad certificate or a missing bcrypt must not leave a listening socket behind.
@@ -229,6 +391,8 @@ class MetricsServer:
         self.httpd = server_class((host, port), _Handler)
         self.httpd.exporter = exporter
         self.httpd.registry = registry
+        self.httpd.max_connections = max_connections
+        registry.register(HttpServerCollector(lambda: self.httpd.rejected))
         self.httpd.renders = _RenderCache()
         self.httpd.tls = tls
         self.httpd.auth = auth
