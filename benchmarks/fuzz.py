@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 from frexporter import frtrace, spool
-from frexporter.analysis import frdump, prom
-from frexporter.analysis.verdicts import VerdictConfig, evaluate
+from frexporter.analysis import frdump, history, prom
+from frexporter.analysis.verdicts import VerdictConfig, evaluate, lagging_verdict, past_mismatch_verdict
 from frexporter.sources import worker_client
 from frexporter.sources.base import SourceError
 from frexporter.sources.progress import translate
@@ -424,7 +424,13 @@ def _frdump_pipeline(obj: object) -> None:
     dumps = [frdump.RankDump(rank=0, path="fuzz0", dump=dump, mtime=1.7e9),
              frdump.RankDump(rank=1, path="fuzz1", dump=_REFERENCE_DUMP, mtime=1.7e9)]
     states = frdump.rank_states(dumps)
-    evaluate(states, frdump.dump_time(dumps), VerdictConfig(stuck_after=0.0, complete_view=True))
+    now = frdump.dump_time(dumps)
+    evaluate(states, now, VerdictConfig(stuck_after=0.0, complete_view=True))
+    for group in frdump.histories(dumps):  # the post-mortem's judgment of what already happened
+        for past in history.past_mismatches(group):
+            past_mismatch_verdict(past)
+        if (lag := history.lagging(group, now)) is not None:
+            lagging_verdict(lag, now)
 
 
 def run_frdump_decode(data: bytes) -> None:
