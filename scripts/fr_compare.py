@@ -235,7 +235,7 @@ A tool is right (✓) when it reports every item of the truth and nothing else. 
 terms: it has no stall, past mismatch or lag, so silence is its answer to a collective everyone joined,
 a type, size or dtype error answers any mismatch, past or present, and a state mismatch answers a lagging
 rank when it names that rank (not the ones that completed). `one of 0,1`: two ranks disagree with no
-majority, so naming either is right.
+majority, so naming either is right. `#N` of a send or recv is its p2p seq, of anything else its collective seq.
 
 **analyze: {an} of {n} right. fr_trace: {fr} of {n} right.**
 
@@ -255,8 +255,9 @@ FOOTER = """
   rank whose own entry contradicts itself (input and output sizes or dtypes) is named even against a
   single well-formed peer.
 - **Cascades.** fr_trace lists every collective with missing ranks; ranks that are missing only because
-  they wait elsewhere are listed too. analyze follows who waits for whom across process groups and names
-  the root (or the rank that went off order first, for a deadlock).
+  they wait elsewhere are listed too. analyze follows who waits for whom across process groups, and from a
+  send or recv to the peer that never posted its counterpart, and names the root (or the rank that went
+  off order first, for a deadlock).
 - **Hang or history.** fr_trace does not tell a collective still in flight from one that completed.
   analyze reports hangs (the frontier of each process group: `missing_rank`, `mismatch`, `stalled`) apart
   from past mismatches (`past_mismatch`: completed although the ranks disagreed, results suspect) and

@@ -11,7 +11,8 @@ but the files: fr_trace reads them in ``os.walk`` order, which is the filesystem
 which rank's file comes first.
 
 Each answer lists what fr_trace flagged: collectives with missing ranks, and collectives whose entries
-failed its match, with the culprit ranks it named and its MatchState per rank; or the exception that
+failed its match, with the culprit ranks it named and its MatchState per rank (send and recv by their p2p
+seq, collectives by their collective seq); or the exception that
 aborted the run. Collectives it could not decide after an earlier mismatch of the same PG (no errors, no
 missing ranks: fr_trace logs "No errors found") are not listed.
 
@@ -48,7 +49,10 @@ def _answer(db: Any) -> list[dict[str, Any]]:
         errors = {int(r): m.type_of_mismatch.state.name
                   for r, m in (c.mismatch_collectives or {}).items() if m.type_of_mismatch is not None}
         if missing or errors:
-            flagged.append({"pg": str(c.group_id), "seq": int(c.collective_seq_id), "op": str(c.collective_name),
+            # A p2p op is known by its p2p seq; its collective seq is the last collective's.
+            p2p = str(c.collective_name).rsplit(":", 1)[-1].startswith(("send", "recv"))
+            seq = int(c.p2p_seq_id if p2p else c.collective_seq_id)
+            flagged.append({"pg": str(c.group_id), "seq": seq, "op": str(c.collective_name),
                             "missing": missing, "errors": {str(r): s for r, s in sorted(errors.items())}})
     return flagged
 

@@ -384,11 +384,20 @@ def _hangs() -> list[Case]:
                            [*_history(2), _hung("all_reduce", 3)]),
                       (Expect(MISMATCH, "0", 3, (0,)),)))
 
-    # p2p between collectives: a pipeline hand-off completed, then rank 1 never joins all_reduce #2.
-    send = event("send 0->1", 1, ((1024,),), is_p2p=True, p2p_seq=1, at=2, in_dtype=["Float"])
-    recv = event("recv 1<-0", 1, ((1024,),), is_p2p=True, p2p_seq=1, at=2, in_dtype=["Float"])
+    # p2p entries carry the collective seq current when they were issued (3 here) and their own p2p seq.
+    def p2p(op: str, p2p_seq: int, at: float, state: str = "completed") -> dict[str, Any]:
+        return event(op, 3, ((1024,),), is_p2p=True, p2p_seq=p2p_seq, at=at, state=state, in_dtype=["Float"])
+    send, recv = p2p("send 0->1", 1, 3), p2p("recv 1<-0", 1, 3)
     cases.append(Case("hang/p2p-then-missing", SRC_HANG, "rank 0 sends to rank 1 (completed), then rank 1 never "
-                      "joins all_reduce #2", pair([*_history(1), send, _hung("all_reduce", 2)], [*_history(1), recv]),
+                      "joins all_reduce #4", pair([*_history(3), send, _hung("all_reduce", 4)], [*_history(3), recv]),
+                      (Expect(MISSING, "0", 4, (1,)),)))
+    stuck_send = [*_history(3), send, p2p("send 0->1", 2, 100, state="scheduled")]
+    cases.append(Case("hang/p2p-recv-never-posted", SRC_HANG, "rank 0 is in send 0->1 (p2p #2); rank 1 never posts "
+                      "the recv (stuck in its own code)", pair(stuck_send, [*_history(3), recv]),
+                      (Expect(MISSING, "0", 2, (1,)),)))
+    cases.append(Case("hang/p2p-deadlock", SRC_HANG, "rank 0 is in send 0->1 (p2p #2); rank 1 skipped the recv "
+                      "and waits in all_reduce #4, which rank 0 never reaches: rank 1 went off order",
+                      pair(stuck_send, [*_history(3), recv, _hung("all_reduce", 4, at=110)]),
                       (Expect(MISSING, "0", 2, (1,)),)))
 
     # all_to_all: uneven splits are legal; rank 3 never joins #3.

@@ -15,9 +15,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from frexporter.analysis import history, report
 from frexporter.analysis.verdicts import LAGGING_RANK, MISMATCH_KIND, MISSING_RANK, PAST_MISMATCH
 from scripts import fr_compare
 from scripts.fr_compare import Answer, Comparison, Item
@@ -133,3 +135,61 @@ def test_bad_input_is_skipped_with_one_counted_line_per_file(tmp_path: Path) -> 
     assert any("rank_5: 3 of 3 entries skipped" in line for line in skipped)
     assert "skipped 1 file and 4 entries; judged the rest:" in out.stdout
     assert "missing_rank: job dump, PG 0 (default_pg), all_reduce #5, culprit rank(s) 3" in out.stdout
+
+
+# --- the judgments the cases rely on, at their edges ----------------------------------------------------------
+
+
+def _verdicts(tmp_path: Path, dumps: dict[int, dict[str, Any]]) -> list[tuple[str, str, int, tuple[int, ...]]]:
+    directory, _ = fr_compare.write_case(Case("edge", "", "", dumps, ()), tmp_path)
+    return [(v.kind, v.pg, v.seq, v.ranks) for v in report.from_dir(str(directory), 0.0).verdicts]
+
+
+def _last_all_reduce(states: dict[int, str], at: float = 40.0, retired: dict[int, bool] | None = None,
+                     ) -> dict[int, dict[str, Any]]:
+    cfg = fr_cases.config([fr_cases.world(tuple(states))])
+    done = [fr_cases.event("all_reduce", s, ((8,),), at=s) for s in (1, 2)]
+    return {r: fr_cases.dump(r, [*done, fr_cases.event("all_reduce", 3, ((8,),), at=at, state=state,
+                                                       retired=None if retired is None else retired[r])], cfg)
+            for r, state in states.items()}
+
+
+def test_a_lag_needs_the_backend_to_have_seen_completion(tmp_path: Path) -> None:
+    lagging = {0: "completed", 1: "completed", 2: "scheduled"}
+    assert _verdicts(tmp_path / "nccl", _last_all_reduce(lagging)) == [(LAGGING_RANK, "0", 3, (2,))]
+    # gloo retires work a moment after the caller wakes and never says "completed": not a lag.
+    gloo = _last_all_reduce({0: "scheduled", 1: "scheduled", 2: "scheduled"}, retired={0: True, 1: True, 2: False})
+    assert _verdicts(tmp_path / "gloo", gloo) == []
+
+
+def test_a_lag_shorter_than_the_watchdog_can_notice_is_not_reported(tmp_path: Path) -> None:
+    seconds_before_dump = fr_cases.DUMP_TIME - fr_cases.T0
+    lagging = {0: "completed", 1: "scheduled"}
+    just_now = _last_all_reduce(lagging, at=seconds_before_dump - history.LAG_MIN_SECONDS / 2)
+    assert _verdicts(tmp_path / "fresh", just_now) == []
+    older = _last_all_reduce(lagging, at=seconds_before_dump - history.LAG_MIN_SECONDS * 2)
+    assert _verdicts(tmp_path / "old", older) == [(LAGGING_RANK, "0", 3, (1,))]
+
+
+def _p2p(op: str, p2p_seq: int, at: float, state: str) -> dict[str, Any]:
+    return fr_cases.event(op, 2, ((8,),), is_p2p=True, p2p_seq=p2p_seq, at=at, state=state)
+
+
+def test_a_pending_send_waits_only_for_a_peer_that_posted_nothing_since(tmp_path: Path) -> None:
+    base = [fr_cases.event("all_reduce", s, ((8,),), at=s) for s in (1, 2)]
+    send = _p2p("send 0->1", 1, 10, "scheduled")
+    never = fr_cases.pair([*base, send], base)
+    assert _verdicts(tmp_path / "never", never) == [(MISSING_RANK, "0", 1, (1,))]
+    # Both sides posted: the transfer itself is in flight, nobody is missing.
+    both = fr_cases.pair([*base, send], [*base, _p2p("recv 1<-0", 1, 10, "scheduled")])
+    assert _verdicts(tmp_path / "both", both) == []
+    # The peer's recv already completed: the send's completion was not recorded yet.
+    done = fr_cases.pair([*base, send], [*base, _p2p("recv 1<-0", 1, 11, "completed")])
+    assert _verdicts(tmp_path / "done", done) == []
+
+
+def test_same_named_groups_stay_apart_when_some_ranks_lack_a_pg_config(tmp_path: Path) -> None:
+    dumps = {r: json.loads(json.dumps(d)) for r, d in _case("hang/split-group").dumps.items()}
+    for rank in (2, 3):
+        dumps[rank]["pg_config"] = {"": {"name": "", "desc": "", "ranks": ""}}  # as gloo writes it (torch 2.8+)
+    assert _verdicts(tmp_path, dumps) == [(MISSING_RANK, "1", 3, (3,))]

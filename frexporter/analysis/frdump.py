@@ -152,8 +152,9 @@ def memberships(dumps: Iterable[RankDump]) -> Membership:
     A name alone does not identify a group: ``split_group`` (and any layout of disjoint groups created in the
     same order) gives several groups one name, so the identity is the name plus the ranks. A rank's own
     ``pg_config`` says which; without one (gloo's is broken in torch 2.8-2.13: one ``''`` key), the one set
-    another rank declares for that name with this rank in it; else every rank that recorded the name
-    (WORLD: every rank), which cannot tell same-named groups apart.
+    another rank declares for that name with this rank in it; else every rank that recorded the name (WORLD:
+    every rank), less those declared in a same-named group without this rank. With no ``pg_config`` at all,
+    same-named groups cannot be told apart.
     """
     dumps = list(dumps)
     declared: dict[tuple[int, str], tuple[int, ...]] = {}
@@ -174,9 +175,12 @@ def memberships(dumps: Iterable[RankDump]) -> Membership:
         for rank in recorded_by:
             own = declared.get((rank, name))
             if own is None:
-                holding = [r for r in by_name.get(name, ()) if rank in r]
-                # WORLD ("0") is every rank.
-                own = holding[0] if len(holding) == 1 else all_ranks if name == "0" else tuple(sorted(recorded_by))
+                sets = by_name.get(name, set())
+                holding = [r for r in sets if rank in r]
+                # Ranks declared in a same-named group without this rank are not in this one.
+                elsewhere = {r for ranks in sets if rank not in ranks for r in ranks}
+                own = holding[0] if len(holding) == 1 else all_ranks if name == "0" and not sets else tuple(
+                    sorted(recorded_by - elsewhere))
             out[(rank, name)] = own
     return out
 
@@ -203,7 +207,8 @@ def _collective(entry: frtrace.FrEntry) -> InflightCollective:
 def histories(dumps: list[RankDump], job_id: str = "dump") -> list[history.GroupHistory]:
     """Every collective each rank recorded, per cross-rank group, for judging what already happened."""
     members = memberships(dumps)
-    groups: dict[tuple[str, tuple[int, ...]], tuple[str, dict[int, list[history.Recorded]]]] = {}
+    Recorded = dict[int, list[history.Recorded]]
+    groups: dict[tuple[str, tuple[int, ...]], tuple[str, Recorded, Recorded]] = {}  # desc, collectives, p2p
     for d in sorted(dumps, key=lambda d: d.rank):
         by_pg: dict[int, list[frtrace.FrEntry]] = {}
         for entry in with_pg_ids(d.dump).entries:
@@ -212,12 +217,15 @@ def histories(dumps: list[RankDump], job_id: str = "dump") -> list[history.Group
             entries.sort(key=lambda e: e.record_id)
             name = entries[-1].pg_name
             key = (name, members.get((d.rank, name), (d.rank,)))
-            ranks = groups.setdefault(key, (entries[-1].pg_desc, {}))[1]
-            ranks[d.rank] = [history.Recorded(_collective(e), e.done, e.state == "completed")
-                             for e in entries if not e.is_p2p]
+            ranks = groups.setdefault(key, (entries[-1].pg_desc, {}, {}))
+            ranks[1][d.rank] = [history.Recorded(_collective(e), e.done, e.state == "completed")
+                                for e in entries if not e.is_p2p]
+            ranks[2][d.rank] = [history.Recorded(replace(_collective(e), seq=e.p2p_seq_id), e.done,
+                                                 e.state == "completed") for e in entries if e.is_p2p]
     return [history.GroupHistory(job_id=job_id, name=name, desc=desc, members=ranks_of,
-                                 entries={r: tuple(v) for r, v in per_rank.items()})
-            for (name, ranks_of), (desc, per_rank) in sorted(groups.items())]
+                                 entries={r: tuple(v) for r, v in per_rank.items()},
+                                 p2p={r: tuple(v) for r, v in p2p.items() if v})
+            for (name, ranks_of), (desc, per_rank, p2p) in sorted(groups.items())]
 
 
 def rank_states(dumps: list[RankDump], job_id: str = "dump") -> tuple[RankState, ...]:

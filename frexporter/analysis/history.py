@@ -8,6 +8,11 @@ neither is a hang:
   that the backend did not check, e.g. one buffer of a coalesced broadcast). Its results are suspect.
   Entries are compared position by position at each seq (a coalesced group's entries in record order),
   with the same rules as the frontier (``matching``), only where at least one rank completed the seq.
+- a *p2p wait*: a send or recv still in flight whose peer has posted no counterpart (pending sends of a to b
+  are paired in order with pending recvs of b from a; what is left over waits for the peer, unless the
+  peer already completed a counterpart created after it: then it is completion lag). Unlike the other two
+  this is part of a hang: it becomes a finding for the verdict engine, so a rank that skipped a recv and
+  went on into a collective is named as the one that went off order.
 - a *lagging rank*: peers saw a collective finish (NCCL's ``completed`` state: the watchdog saw the
   kernel end) while this rank still has it in flight. gloo marks work done only by retiring it, a moment
   after the caller wakes; that race is not a lag, so only the ``completed`` state counts as evidence.
@@ -15,10 +20,12 @@ neither is a hang:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from frexporter.analysis.matching import Mismatch, find_mismatch
+from frexporter.analysis.findings import Finding
+from frexporter.analysis.matching import Mismatch, find_mismatch, self_problem
 from frexporter.model import InflightCollective
 
 # The NCCL watchdog notices completion on its own loop (every 100 ms by default); a dump taken in that
@@ -44,6 +51,8 @@ class GroupHistory:
     desc: str
     members: tuple[int, ...]
     entries: Mapping[int, tuple[Recorded, ...]]  # rank -> entries in record order
+    # rank -> its send/recv entries in record order; their ``entry.seq`` is the p2p seq
+    p2p: Mapping[int, tuple[Recorded, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,10 @@ def _by_seq(recorded: Iterable[Recorded]) -> dict[int, list[Recorded]]:
     return out
 
 
+def _signature(e: InflightCollective) -> tuple[object, ...]:
+    return e.op, e.input_sizes, e.output_sizes, e.input_dtypes, e.output_dtypes
+
+
 def past_mismatches(group: GroupHistory) -> list[PastMismatch]:
     """Collectives that completed (on some rank) although the ranks' entries disagree, at most one per seq."""
     per_rank = {rank: _by_seq(entries) for rank, entries in group.entries.items()}
@@ -85,6 +98,8 @@ def past_mismatches(group: GroupHistory) -> list[PastMismatch]:
         recorded = {rank: seqs[seq] for rank, seqs in per_rank.items() if seq in seqs}
         for i in range(max(len(rs) for rs in recorded.values())):
             at = {rank: rs[i].entry for rank, rs in recorded.items() if i < len(rs)}
+            if len({_signature(e) for e in at.values()}) == 1 and self_problem(next(iter(at.values())), size) is None:
+                continue  # the common case, identical and well-formed everywhere: no clustering needed
             mismatch = find_mismatch({rank: (e,) for rank, e in at.items()}, size)
             if mismatch is not None:
                 out.append(PastMismatch(group, seq, mismatch, at))
@@ -120,3 +135,47 @@ def lagging(group: GroupHistory, now: float) -> Lag | None:
     since, seq, op = oldest
     return Lag(group=group, seq=seq, op=op, since=since, behind=behind, first=first, ages=ages,
                peers=tuple(sorted(completed_by[seq])))
+
+
+_P2P_OP = re.compile(r"^(send|recv) (\d+)(?:->|<-)(\d+)$")  # "send 0->1", "recv 1<-0" (group ranks)
+
+
+def _peer(op: str, members: tuple[int, ...]) -> tuple[str, int] | None:
+    """("send" or "recv", the peer's global rank); None for a recv from any source or a peer out of range."""
+    match = _P2P_OP.match(op)
+    if match is None or int(match.group(3)) >= len(members):
+        return None
+    return match.group(1), members[int(match.group(3))]
+
+
+def p2p_waits(group: GroupHistory, observed: Iterable[int], now: float, stuck_after: float) -> list[Finding]:
+    """One finding per rank whose oldest in-flight send or recv has no counterpart from its peer."""
+    members = tuple(sorted(group.members))
+    seen = set(observed)
+    ops: dict[tuple[int, int, str], list[Recorded]] = {}  # (rank, peer, kind) -> its p2p ops, record order
+    for rank, recorded in group.p2p.items():
+        for r in recorded:
+            peer = _peer(r.entry.op, members)
+            if peer is not None:
+                ops.setdefault((rank, peer[1], peer[0]), []).append(r)
+    out = []
+    for rank in sorted(group.p2p):
+        for r in group.p2p[rank]:
+            peer = _peer(r.entry.op, members)
+            if r.done or peer is None:
+                continue
+            kind, other = peer
+            mine = [x for x in ops[(rank, other, kind)] if not x.done]
+            theirs = ops.get((other, rank, "recv" if kind == "send" else "send"), [])
+            if mine.index(r) < sum(1 for x in theirs if not x.done):
+                continue  # the peer posted its counterpart: both wait on the transfer itself
+            if any(x.done and x.entry.created >= r.entry.created for x in theirs):
+                continue  # the peer already finished one posted after this op: completion lag, not a wait
+            e = r.entry
+            out.append(Finding(
+                job_id=group.job_id, pg=group.name, pg_desc=group.desc, members=members, seq=e.seq, op=e.op,
+                since=e.created, timeout_seconds=e.timeout_seconds, stuck=now - e.created >= stuck_after,
+                waiting=(rank,), missing=(other,) if other in seen else (), down=(),
+                unobserved=() if other in seen else (other,), blockers=(other,), p2p=True))
+            break  # a rank waits on its oldest op first
+    return out

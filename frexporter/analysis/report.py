@@ -61,8 +61,10 @@ def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report
                             f"process_group, a field of the wrong type, or past {frdump.frtrace.MAX_ENTRIES})")
     ranks = frdump.rank_states(dumps, job_id=job_id)
     now = frdump.dump_time(dumps) or time.time()
-    hangs = evaluate(ranks, now, VerdictConfig(stuck_after=stuck_after, complete_view=True))
     groups = frdump.histories(dumps, job_id=job_id)
+    observed = [d.rank for d in dumps]
+    p2p = [f for g in groups for f in history.p2p_waits(g, observed, now, stuck_after)]
+    hangs = evaluate(ranks, now, VerdictConfig(stuck_after=stuck_after, complete_view=True), more_findings=p2p)
     past = [past_mismatch_verdict(p) for g in groups for p in history.past_mismatches(g)]
     lags = [lagging_verdict(lag, now) for g in groups if (lag := history.lagging(g, now)) is not None]
     return Report(source=directory, ranks=ranks, verdicts=(*hangs, *past, *lags), problems=problems,

@@ -224,6 +224,8 @@ class _Builder:
             details["unobserved_ranks"] = list(self.f.unobserved)
         if self.f.inexact:
             details["inexact_ranks"] = list(self.f.inexact)
+        if self.f.p2p:
+            details["seq_domain"] = "p2p"  # ``seq`` counts the PG's sends and recvs, not its collectives
         details.update(extra)
         return Verdict(kind=kind, job_id=self.f.job_id, pg=self.f.pg, pg_desc=self.f.pg_desc,
                        ranks=self.cause.culprits, waiting_ranks=self.cause.waiting, seq=self.f.seq, op=self.f.op,
@@ -243,7 +245,8 @@ class _Builder:
         culprits = self.cause.culprits
         unseen = sorted(set(culprits) & set(self.f.unobserved))
         nodata = f" (no data from {text.who(unseen, capital=False)})" if unseen else ""
-        summary = f"{text.who(culprits)} never joined {self.where}{nodata}; {self.tail()}."
+        summary = (f"{text.who(culprits)} {text.never_joined(self.f.op, self.f.seq)} on "
+                   f"{text.pg_text(self.f.pg, self.f.pg_desc)}{nodata}; {self.tail()}.")
         hosts = {str(r): s.hostname for r in culprits[:MAX_DETAIL_RANKS] if (s := self.ctx.rank(self.f.job_id, r))}
         return self.make(MISSING_RANK, summary, {"hosts": hosts})
 
@@ -295,7 +298,7 @@ class _Builder:
         culprits = set(self.cause.culprits)
         if culprits < in_cycle:
             # Timing named who went off order first: that rank is the one to look at.
-            summary = (f"{text.who(culprits)} never joined {text.collective(self.f.op, self.f.seq)} on "
+            summary = (f"{text.who(culprits)} {text.never_joined(self.f.op, self.f.seq)} on "
                        f"{text.pg_text(self.f.pg, self.f.pg_desc)}, which has waited longest, and went on into "
                        f"other collectives: a deadlock from collectives issued in different orders "
                        f"({'; '.join(parts)}); {tail}")
@@ -448,16 +451,18 @@ def _with_gpu_facts(v: Verdict, ranks: Mapping[RankKey, RankState], gpus: Any) -
 
 
 def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | None = None,
-             gpus: Any = None) -> tuple[Verdict, ...]:
+             gpus: Any = None, more_findings: Sequence[Finding] = ()) -> tuple[Verdict, ...]:
     """All verdicts for these ranks at ``now`` (unix seconds), sorted by job, PG, kind, culprits.
 
     ``gpus``: the node's ``GpuReading`` (NVML); verdicts whose ranks run on its GPUs then carry GPU facts
-    in ``details["gpu"]`` and a sentence in the summary.
+    in ``details["gpu"]`` and a sentence in the summary. ``more_findings``: waits the ranks' states cannot
+    show, judged with the rest (a post-mortem's sends and recvs without a counterpart, ``history``).
     """
     config = config or VerdictConfig()
     states = unique_ranks(ranks)
     conditions = {key: condition(rank, now, config.stuck_after) for key, rank in states.items()}
-    findings = find_all(states, conditions, now, FindingsConfig(config.stuck_after, config.complete_view))
+    findings = [*find_all(states, conditions, now, FindingsConfig(config.stuck_after, config.complete_view)),
+                *more_findings]
     graph = build(findings, {key: can_wait(c) for key, c in conditions.items()})
     gone = {key for key, c in conditions.items() if c in _GONE_KINDS}
     ctx = _Context(findings, states, conditions, now)
