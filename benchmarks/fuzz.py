@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 from frexporter import spool
-from frexporter.analysis.verdicts import VerdictConfig, evaluate
+from frexporter.analysis import history
+from frexporter.analysis.verdicts import VerdictConfig, evaluate, lagging_verdict, past_mismatch_verdict
 from frexporter.fr import trace
 from frexporter.fr.domain import translate
 from frexporter.postmortem import dumpfiles, prometheus
@@ -586,7 +587,13 @@ def _frdump_pipeline(obj: object) -> None:
     dumps = [dumpfiles.RankDump(rank=0, path="fuzz0", dump=dump, mtime=1.7e9),
              dumpfiles.RankDump(rank=1, path="fuzz1", dump=_REFERENCE_DUMP, mtime=1.7e9)]
     states = dumpfiles.rank_states(dumps)
-    evaluate(states, dumpfiles.dump_time(dumps), VerdictConfig(stuck_after=0.0, complete_view=True))
+    now = dumpfiles.dump_time(dumps)
+    evaluate(states, now, VerdictConfig(stuck_after=0.0, complete_view=True))
+    for group in dumpfiles.histories(dumps):  # the post-mortem's judgment of what already happened
+        for past in history.past_mismatches(group):
+            past_mismatch_verdict(past)
+        if (lag := history.lagging(group, now)) is not None:
+            lagging_verdict(lag, now)
 
 
 def run_frdump_decode(data: bytes) -> None:

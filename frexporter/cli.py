@@ -153,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         "analyze", help="verdicts from FR dump files / evidence bundles, or a whole job in Prometheus",
         description="Print the verdicts for torch Flight Recorder dump files (one per rank, JSON or pickle, any "
                     "<prefix><rank> name; pickles are read with a restricted unpickler), for an evidence bundle "
-                    "written by `frexporter serve`, or for a job's series in Prometheus.")
+                    "written by `frexporter serve`, or for a job's series in Prometheus. From dump files it also "
+                    "lists collectives that completed although their ranks disagreed (past_mismatch) and ranks "
+                    "still at a collective their peers completed (lagging_rank), after the hangs.")
     analyze.add_argument("dir", nargs="?", help="directory of FR dump files or an evidence bundle")
     analyze.add_argument("--prometheus", metavar="URL", help="query this Prometheus instead of reading files")
     analyze.add_argument("--job-id", default=None, help="restrict to one job (Prometheus)")

@@ -31,8 +31,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from frexporter import naming as n
-from frexporter import server
 from frexporter.outputs import exposition
+from frexporter.web import server
 from tests import spoolgen
 from tests.harness import REPO, free_port, metrics, require_tool, sample, wait_for
 from tests.promstack import PromStack

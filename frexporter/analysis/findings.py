@@ -53,6 +53,7 @@ class Finding:
     blockers: tuple[int, ...]  # who the waiting ranks wait for
     mismatch: Mismatch | None = None
     inexact: tuple[int, ...] = ()  # members whose collective-domain values come from an older deep read
+    p2p: bool = False  # a send or recv waiting for its peer (post-mortem only); ``seq`` is then the p2p seq
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,12 @@ so that a live verdict and a post-mortem ``fr_trace`` run blame the same rank:
   dtypes equal (gather exempt), input == output dtypes on one rank (scatter,
   gather, broadcast exempt); only where both sides carry data.
 
-Two differences, both to avoid blaming a healthy rank: numel is summed over all
-tensors (list-form all_gather records one output per peer), and coalesced groups
-(several entries under one seq) are compared by their op sequence only.
+Differences, all to avoid blaming a healthy rank: numel is summed over all
+tensors (list-form all_gather records one output per peer); a coalesced group
+(several entries under one seq) must hold the same ops on every rank and is then
+compared entry by entry; the reference is the largest group of agreeing ranks
+(never simply the first file read), and a rank whose own entry breaks its op's
+rule is named even when it stands alone against a well-formed peer.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class Mismatch:
     found: str  # the first culprit's value
     op: str  # the majority's op (the collective the group meant to run)
     found_op: str  # the first culprit's op
+    where: str = ""  # which op of a coalesced group differs, as text ("" for a lone collective)
+    no_majority: bool = False  # equally many ranks on each side: the lowest rank's side was taken as reference
 
 
 def is_p2p(op: str) -> bool:
@@ -112,21 +117,46 @@ def difference(ref: InflightCollective, other: InflightCollective) -> tuple[str,
     return None
 
 
-def _coalesced_view(entries: Mapping[int, Sequence[InflightCollective]]) -> dict[int, InflightCollective] | None:
-    """Collapse coalesced groups to one op-sequence entry per rank; None when nothing is coalesced."""
-    coalesced = any(len(group) > 1 or "coalesced" in group[0].op for group in entries.values())
-    if not coalesced:
-        return None
-    return {rank: InflightCollective(seq=group[0].seq, op="+".join(e.op for e in group), created=group[0].created,
-                                     timeout_seconds=group[0].timeout_seconds)
-            for rank, group in entries.items()}
+def _group_ops(group: Sequence[InflightCollective]) -> str:
+    return "+".join(e.op for e in group)
 
 
-def _clusters(entries: Mapping[int, InflightCollective]) -> list[list[int]]:
+def _position(index: int, size: int) -> str:
+    return "" if size == 1 else f" (op {index + 1} of {size} coalesced under this seq)"
+
+
+def group_difference(ref: Sequence[InflightCollective],
+                     other: Sequence[InflightCollective]) -> tuple[str, str, str, int] | None:
+    """(what, expected, found, index) for the first rule on which ``other`` disagrees with ``ref``.
+
+    Each side is one rank's entries at one seq: one entry, or a coalesced group. Groups must hold the same
+    ops in the same order; then each entry is compared with its counterpart, as a lone collective would be
+    (a coalesced all_gather with one wrong buffer is a size mismatch, not a matching op sequence).
+    """
+    if len(ref) != len(other) or any(a.op != b.op for a, b in zip(ref, other, strict=True)):
+        return "op", _group_ops(ref), _group_ops(other), 0
+    for i, (a, b) in enumerate(zip(ref, other, strict=True)):
+        diff = difference(a, b)
+        if diff is not None:
+            return (*diff, i)
+    return None
+
+
+def group_self_problem(group: Sequence[InflightCollective],
+                       group_size: int | None) -> tuple[str, str, int] | None:
+    """(expected, found, index) for the first entry of one rank's group that breaks its own op's rule."""
+    for i, e in enumerate(group):
+        problem = self_problem(e, group_size)
+        if problem is not None:
+            return (*problem, i)
+    return None
+
+
+def _clusters(groups: Mapping[int, tuple[InflightCollective, ...]]) -> list[list[int]]:
     """Greedy clustering by compatibility with each cluster's first (lowest) rank."""
     clusters: list[list[int]] = []
-    for rank in sorted(entries):
-        home = next((c for c in clusters if difference(entries[c[0]], entries[rank]) is None), None)
+    for rank in sorted(groups):
+        home = next((c for c in clusters if group_difference(groups[c[0]], groups[rank]) is None), None)
         if home is None:
             clusters.append([rank])
         else:
@@ -135,33 +165,44 @@ def _clusters(entries: Mapping[int, InflightCollective]) -> list[list[int]]:
 
 
 def find_mismatch(entries: Mapping[int, Sequence[InflightCollective]], group_size: int | None) -> Mismatch | None:
-    """The minority that disagrees at one seq; ties go to the cluster holding the lowest rank.
+    """The ranks whose entries at one seq are wrong: those that disagree with the majority, and those whose
+    own entry breaks its op's rule.
 
     ``entries`` maps each joined rank to its entries at that seq (several for a coalesced group).
     Entries with an unknown op (``""``, synthesized from metrics) or p2p ops are not judged.
+    The majority is the largest cluster of agreeing ranks; between equally large ones a well-formed cluster
+    wins over a malformed one (of two ranks, the one whose entry contradicts itself is wrong, not its peer),
+    then the one holding the lowest rank. ``no_majority`` says when that last rule decided.
     """
     usable = {r: tuple(g) for r, g in entries.items() if g and all(e.op and not is_p2p(e.op) for e in g)}
     if not usable:
         return None
-    collapsed = _coalesced_view(usable)
-    single = collapsed if collapsed is not None else {r: g[0] for r, g in usable.items()}
-    clusters = _clusters(single)
-    majority = max(clusters, key=len)  # max() keeps the first of equal sizes: the lowest rank's cluster
-    ref = single[majority[0]]
+    clusters = _clusters(usable)
+    malformed = {r for r, g in usable.items() if group_self_problem(g, group_size) is not None}
+
+    def rank_of_cluster(c: list[int]) -> tuple[int, bool]:
+        return len(c), c[0] not in malformed  # a cluster agrees on everything, so its first entry speaks for it
+
+    majority = max(clusters, key=rank_of_cluster)  # max() keeps the first of equals: the lowest rank's cluster
+    no_majority = sum(1 for c in clusters if rank_of_cluster(c) == rank_of_cluster(majority)) > 1
+    ref = usable[majority[0]]
     outliers = sorted(r for c in clusters if c is not majority for r in c)
-    malformed = [] if collapsed is not None else sorted(
-        r for r in majority if self_problem(single[r], group_size) is not None)
-    culprits = tuple(sorted(set(outliers) | set(malformed)))
+    culprits = tuple(sorted(set(outliers) | (malformed & set(majority))))
     if not culprits:
         return None
     first = culprits[0]
     if first in outliers:
-        diff = difference(ref, single[first])
+        diff = group_difference(ref, usable[first])
         assert diff is not None  # an outlier differs from the majority's reference by construction
-        what, expected, found = diff
+        what, expected, found, index = diff
     else:
-        problem = self_problem(single[first], group_size)
+        problem = group_self_problem(usable[first], group_size)
         assert problem is not None
-        what, (expected, found) = "syntax", problem
+        what, (expected, found, index) = "syntax", problem
+    if what == "op":
+        op, found_op, where = _group_ops(ref), _group_ops(usable[first]), ""
+    else:
+        op, found_op, where = ref[index].op, usable[first][index].op, _position(index, len(ref))
     return Mismatch(culprits=culprits, majority=tuple(r for r in majority if r not in culprits), what=what,
-                    expected=expected, found=found, op=ref.op, found_op=single[first].op)
+                    expected=expected, found=found, op=op, found_op=found_op, where=where,
+                    no_majority=no_majority and bool(outliers))

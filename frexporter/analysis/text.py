@@ -62,7 +62,16 @@ def pg_text(name: str, desc: str) -> str:
 
 
 def collective(op: str, seq: int) -> str:
+    if op.startswith(("send ", "recv ")):
+        return f"{op} (p2p #{seq})"  # p2p ops count in their own sequence
     return f"{op or 'collective'} #{seq}"
+
+
+def never_joined(op: str, seq: int) -> str:
+    """'never joined all_reduce #42'; for a send or recv, the matching op the peer never posted."""
+    if op.startswith(("send ", "recv ")):
+        return f"never posted the {'recv' if op.startswith('send') else 'send'} matching {collective(op, seq)}"
+    return f"never joined {collective(op, seq)}"
 
 
 def waited(ranks: Iterable[int], age: float | None, empty_subject: str | None = None) -> str:

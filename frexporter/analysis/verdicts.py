@@ -43,6 +43,8 @@ from frexporter.analysis.findings import (
 )
 from frexporter.analysis.gpu import gpu_facts
 from frexporter.analysis.graph import MISMATCH, PG, RANK, Cause, build, resolve
+from frexporter.analysis.history import Lag, PastMismatch
+from frexporter.analysis.matching import Mismatch
 from frexporter.analysis.straggler import Straggler, StragglerConfig, find_stragglers
 from frexporter.model import (
     RANK_DOWN,
@@ -61,6 +63,10 @@ RANK_DOWN_KIND = "rank_down"
 RANK_UNRESPONSIVE_KIND = "rank_unresponsive"
 STRAGGLER = "straggler"  # a rank consistently late to a PG's collectives (PGState.lateness_seconds)
 KINDS = (MISSING_RANK, MISMATCH_KIND, STALLED, RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND, STRAGGLER)
+# Post-mortem only (`analyze DIR`, from whole dumps; see ``history``): not hangs, never live verdicts.
+PAST_MISMATCH = "past_mismatch"  # a collective that completed although its ranks disagreed on it
+LAGGING_RANK = "lagging_rank"  # a rank still at a collective its peers saw complete
+POST_MORTEM_KINDS = (PAST_MISMATCH, LAGGING_RANK)
 
 DEFAULT_STUCK_AFTER = defaults.STUCK_AFTER
 NO_SEQ = -1  # seq of a verdict that names no collective (a down rank nobody waits for yet)
@@ -219,6 +225,8 @@ class _Builder:
             details["unobserved_ranks"] = list(self.f.unobserved)
         if self.f.inexact:
             details["inexact_ranks"] = list(self.f.inexact)
+        if self.f.p2p:
+            details["seq_domain"] = "p2p"  # ``seq`` counts the PG's sends and recvs, not its collectives
         details.update(extra)
         return Verdict(kind=kind, job_id=self.f.job_id, pg=self.f.pg, pg_desc=self.f.pg_desc,
                        ranks=self.cause.culprits, waiting_ranks=self.cause.waiting, seq=self.f.seq, op=self.f.op,
@@ -238,7 +246,8 @@ class _Builder:
         culprits = self.cause.culprits
         unseen = sorted(set(culprits) & set(self.f.unobserved))
         nodata = f" (no data from {text.who(unseen, capital=False)})" if unseen else ""
-        summary = f"{text.who(culprits)} never joined {self.where}{nodata}; {self.tail()}."
+        summary = (f"{text.who(culprits)} {text.never_joined(self.f.op, self.f.seq)} on "
+                   f"{text.pg_text(self.f.pg, self.f.pg_desc)}{nodata}; {self.tail()}.")
         hosts = {str(r): s.hostname for r in culprits[:MAX_DETAIL_RANKS] if (s := self.ctx.rank(self.f.job_id, r))}
         return self.make(MISSING_RANK, summary, {"hosts": hosts})
 
@@ -263,19 +272,8 @@ class _Builder:
     def mismatch(self) -> Verdict:
         m = self.f.mismatch
         assert m is not None
-        culprits = text.who(m.culprits)
-        majority = text.who(m.majority, capital=False) if m.majority else "the other ranks"
-        if m.what == "op":
-            head = f"{culprits} called {text.collective(m.found_op, self.f.seq)} on " \
-                   f"{text.pg_text(self.f.pg, self.f.pg_desc)} where {majority} called {m.op}"
-        elif m.what == "syntax":
-            head = f"{culprits} joined a malformed {text.collective(m.found_op, self.f.seq)} on " \
-                   f"{text.pg_text(self.f.pg, self.f.pg_desc)}: {m.found}, expected {m.expected}"
-        else:
-            have = text.agree(m.majority, "has", "have") if m.majority else "have"
-            head = f"{culprits} joined {self.where} with {m.what} {m.found} where {majority} {have} {m.expected}"
-        evidence = {"what": m.what, "expected": m.expected, "found": m.found, "majority_ranks": list(m.majority),
-                    "entries": _entry_evidence(self.f, self.ctx, [*m.culprits, *m.majority[:1]])}
+        head = mismatch_text(m, self.f.seq, self.f.pg, self.f.pg_desc, past=False)
+        evidence = mismatch_evidence(m, _entry_evidence(self.f, self.ctx, [*m.culprits, *m.majority[:1]]))
         return self.make(MISMATCH_KIND, f"{head}; {self.tail(empty_subject='they')}.", {"mismatch": evidence})
 
     def rank_gone(self, kind: str) -> Verdict:
@@ -302,7 +300,7 @@ class _Builder:
         culprits = set(self.cause.culprits)
         if culprits < in_cycle:
             # Timing named who went off order first: that rank is the one to look at.
-            summary = (f"{text.who(culprits)} never joined {text.collective(self.f.op, self.f.seq)} on "
+            summary = (f"{text.who(culprits)} {text.never_joined(self.f.op, self.f.seq)} on "
                        f"{text.pg_text(self.f.pg, self.f.pg_desc)}, which has waited longest, and went on into "
                        f"other collectives: a deadlock from collectives issued in different orders "
                        f"({'; '.join(parts)}); {tail}")
@@ -310,6 +308,77 @@ class _Builder:
             summary = (f"{text.who(in_cycle)} deadlock, each waiting in a collective another never joined "
                        f"({'; '.join(parts)}): they issued collectives in different orders; {tail}")
         return self.make(MISSING_RANK, summary, {"deadlock": edges, "cycle_ranks": sorted(in_cycle)})
+
+
+def mismatch_text(m: Mismatch, seq: int, pg: str, pg_desc: str, past: bool) -> str:
+    """'Rank 3 joined all_reduce #42 on PG 'tp' with input sizes [[5]] where ranks 0,1,2 have [[4]]'"""
+    culprits = text.who(m.culprits)
+    majority = text.who(m.majority, capital=False) if m.majority else "the other ranks"
+    on = f"on {text.pg_text(pg, pg_desc)}"
+    joined = "ran" if past else "joined"
+    if m.what == "op":
+        head = (f"{culprits} {'ran' if past else 'called'} {text.collective(m.found_op, seq)} {on} where "
+                f"{majority} {'ran' if past else 'called'} {m.op}")
+    elif m.what == "syntax":
+        head = f"{culprits} {joined} a malformed {text.collective(m.found_op, seq)}{m.where} {on}: " \
+               f"{m.found}, expected {m.expected}"
+    else:
+        verb = "had" if past else text.agree(m.majority, "has", "have") if m.majority else "have"
+        head = (f"{culprits} {joined} {text.collective(m.op, seq)}{m.where} {on} with {m.what} {m.found} where "
+                f"{majority} {verb} {m.expected}")
+    if m.no_majority:
+        head += " (no majority: as many ranks on each side, so either side may be the wrong one)"
+    return head
+
+
+def mismatch_evidence(m: Mismatch, entries: Mapping[str, Any]) -> dict[str, Any]:
+    evidence: dict[str, Any] = {"what": m.what, "expected": m.expected, "found": m.found,
+                                "majority_ranks": list(m.majority), "entries": entries}
+    if m.no_majority:
+        evidence["no_majority"] = True
+    return evidence
+
+
+def _entry_json(entry: InflightCollective) -> dict[str, Any]:
+    return {"op": entry.op, "input_sizes": [list(s) for s in entry.input_sizes],
+            "output_sizes": [list(s) for s in entry.output_sizes],
+            "input_dtypes": list(entry.input_dtypes), "output_dtypes": list(entry.output_dtypes)}
+
+
+def past_mismatch_verdict(p: PastMismatch) -> Verdict:
+    """A collective that completed although its ranks disagreed on it: not a hang, its results are suspect."""
+    m, g = p.mismatch, p.group
+    head = mismatch_text(m, p.seq, g.name, g.desc, past=True)
+    summary = (f"{head}. It completed anyway (the backend did not check this), so its results are suspect; "
+               f"not a hang.")
+    shown = [*m.culprits[:MAX_DETAIL_RANKS], *m.majority[:1]]
+    evidence = mismatch_evidence(m, {str(r): _entry_json(p.entries[r]) for r in shown if r in p.entries})
+    return Verdict(kind=PAST_MISMATCH, job_id=g.job_id, pg=g.name, pg_desc=g.desc, ranks=m.culprits,
+                   waiting_ranks=(), seq=p.seq, op=m.op, since=None, age_seconds=None, timeout_seconds=None,
+                   budget_used=None, summary=summary, details={"mismatch": evidence, "pg_ranks": list(g.members)})
+
+
+def lagging_verdict(lag: Lag, now: float) -> Verdict:
+    """Ranks still at collectives their peers saw complete: not a hang by itself, a slow rank."""
+    g = lag.group
+    laggers = sorted(lag.behind)
+    worst = max(laggers, key=lambda r: (lag.behind[r], lag.ages[r]))
+    many = len(laggers) > 1
+    count = lag.behind[worst]
+    behind = f"{count} {'collective' if count == 1 else 'collectives'} behind"
+    if many:
+        behind = f"up to {behind} (rank {worst})"
+    where = "that rank's GPU, stream or host" if not many else "those ranks' GPUs, streams or hosts"
+    summary = (f"{text.who(laggers)} lagged on {text.pg_text(g.name, g.desc)}: "
+               f"{text.agree(laggers, 'it is', 'they are')} still at {text.collective(lag.op, lag.seq)}, in flight "
+               f"for {text.seconds(now - lag.since)} at the dump, which {text.who(lag.peers, capital=False)} "
+               f"completed: {behind}. Not a hang by itself: look at {where}.")
+    details = {"behind": {str(r): lag.behind[r] for r in laggers}, "first_seq": {str(r): lag.first[r] for r in laggers},
+               "lag_seconds": {str(r): lag.ages[r] for r in laggers}, "completed_by": list(lag.peers),
+               "pg_ranks": list(g.members)}
+    return Verdict(kind=LAGGING_RANK, job_id=g.job_id, pg=g.name, pg_desc=g.desc, ranks=tuple(laggers),
+                   waiting_ranks=(), seq=lag.seq, op=lag.op, since=lag.since, age_seconds=now - lag.since,
+                   timeout_seconds=None, budget_used=None, summary=summary, details=details)
 
 
 def _gone_text(kind: str, rank: int, state: RankState | None, now: float) -> str:
@@ -384,16 +453,18 @@ def _with_gpu_facts(v: Verdict, ranks: Mapping[RankKey, RankState], gpus: Any) -
 
 
 def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | None = None,
-             gpus: Any = None) -> tuple[Verdict, ...]:
+             gpus: Any = None, more_findings: Sequence[Finding] = ()) -> tuple[Verdict, ...]:
     """All verdicts for these ranks at ``now`` (unix seconds), sorted by job, PG, kind, culprits.
 
     ``gpus``: the node's ``GpuReading`` (NVML); verdicts whose ranks run on its GPUs then carry GPU facts
-    in ``details["gpu"]`` and a sentence in the summary.
+    in ``details["gpu"]`` and a sentence in the summary. ``more_findings``: waits the ranks' states cannot
+    show, judged with the rest (a post-mortem's sends and recvs without a counterpart, ``history``).
     """
     config = config or VerdictConfig()
     states = unique_ranks(ranks)
     conditions = {key: condition(rank, now, config.stuck_after) for key, rank in states.items()}
-    findings = find_all(states, conditions, now, FindingsConfig(config.stuck_after, config.complete_view))
+    findings = [*find_all(states, conditions, now, FindingsConfig(config.stuck_after, config.complete_view)),
+                *more_findings]
     graph = build(findings, {key: can_wait(c) for key, c in conditions.items()})
     gone = {key for key, c in conditions.items() if c in _GONE_KINDS}
     ctx = _Context(findings, states, conditions, now)

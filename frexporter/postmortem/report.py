@@ -9,7 +9,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from frexporter.analysis.verdicts import Verdict, VerdictConfig, budget_left, evaluate
+from frexporter.analysis import history
+from frexporter.analysis.verdicts import (
+    LAGGING_RANK,
+    PAST_MISMATCH,
+    Verdict,
+    VerdictConfig,
+    budget_left,
+    evaluate,
+    lagging_verdict,
+    past_mismatch_verdict,
+)
+from frexporter.fr import trace
 from frexporter.model import RankState
 from frexporter.postmortem import dumpfiles, prometheus
 
@@ -21,9 +32,11 @@ _NOT_DUMPS = (EVIDENCE_FILE,)
 class Report:
     source: str
     ranks: tuple[RankState, ...]
-    verdicts: tuple[Verdict, ...]
-    problems: list[str] = field(default_factory=list)
+    verdicts: tuple[Verdict, ...]  # hangs first, then past mismatches, then lagging ranks
+    problems: list[str] = field(default_factory=list)  # one line per skipped file or file with skipped entries
     recorded: dict[str, Any] | None = None  # the verdict an exporter recorded with an evidence bundle
+    skipped_files: int = 0
+    skipped_entries: int = 0
 
 
 def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report:
@@ -40,10 +53,24 @@ def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report
             problems.append(f"{evidence}: {e}")
     if isinstance(recorded, dict) and isinstance(recorded.get("verdict"), dict):
         job_id = str(recorded["verdict"].get("job_id", job_id))
+    skipped_files = len(problems)
+    skipped_entries = 0
+    for d in dumps:
+        if d.dump.dropped_entries:
+            skipped_entries += d.dump.dropped_entries
+            total = d.dump.dropped_entries + len(d.dump.entries)
+            problems.append(f"{d.path}: {d.dump.dropped_entries} of {total} entries skipped (not an object, no "
+                            f"process_group, a field of the wrong type, or past {trace.MAX_ENTRIES})")
     ranks = dumpfiles.rank_states(dumps, job_id=job_id)
     now = dumpfiles.dump_time(dumps) or time.time()
-    verdicts = evaluate(ranks, now, VerdictConfig(stuck_after=stuck_after, complete_view=True))
-    return Report(source=directory, ranks=ranks, verdicts=verdicts, problems=problems, recorded=recorded)
+    groups = dumpfiles.histories(dumps, job_id=job_id)
+    observed = [d.rank for d in dumps]
+    p2p = [f for g in groups for f in history.p2p_waits(g, observed, now, stuck_after)]
+    hangs = evaluate(ranks, now, VerdictConfig(stuck_after=stuck_after, complete_view=True), more_findings=p2p)
+    past = [past_mismatch_verdict(p) for g in groups for p in history.past_mismatches(g)]
+    lags = [lagging_verdict(lag, now) for g in groups if (lag := history.lagging(g, now)) is not None]
+    return Report(source=directory, ranks=ranks, verdicts=(*hangs, *past, *lags), problems=problems,
+                  recorded=recorded, skipped_files=skipped_files, skipped_entries=skipped_entries)
 
 
 def from_prometheus(url: str, job_id: str | None, stuck_after: float) -> Report:
@@ -53,24 +80,50 @@ def from_prometheus(url: str, job_id: str | None, stuck_after: float) -> Report:
     return Report(source=url, ranks=ranks, verdicts=verdicts)
 
 
+def _count(count: int, singular: str, plural: str) -> str:
+    return f"{count} {singular if count == 1 else plural}"
+
+
 def render_text(report: Report) -> str:
+    """Hangs first (the reason to look), then past mismatches, then lagging ranks."""
     lines = []
-    pgs = {(r.job_id, pg.name) for r in report.ranks for pg in r.pgs}
-    lines.append(f"{report.source}: {len(report.ranks)} ranks, {len(pgs)} process groups")
-    for problem in report.problems:
-        lines.append(f"  skipped: {problem}")
+    pgs = {(r.job_id, pg.name, pg.ranks) for r in report.ranks for pg in r.pgs}
+    lines.append(f"{report.source}: {_count(len(report.ranks), 'rank', 'ranks')}, "
+                 f"{_count(len(pgs), 'process group', 'process groups')}")
+    if report.problems:
+        counted = [_count(report.skipped_files, "file", "files")] if report.skipped_files else []
+        if report.skipped_entries:
+            counted.append(_count(report.skipped_entries, "entry", "entries"))
+        lines.append(f"skipped {' and '.join(counted) or 'nothing usable'}; judged the rest:")
+        lines.extend(f"  skipped: {problem}" for problem in report.problems)
     if report.recorded is not None:
         v = report.recorded.get("verdict", {})
         lines.append(f"  evidence bundle recorded by the exporter: {v.get('kind')}: {v.get('summary')}")
-    if not report.verdicts:
+    hangs = [v for v in report.verdicts if v.kind not in (PAST_MISMATCH, LAGGING_RANK)]
+    past = [v for v in report.verdicts if v.kind == PAST_MISMATCH]
+    lags = [v for v in report.verdicts if v.kind == LAGGING_RANK]
+    if not hangs:
         lines.append("no stuck collective found")
-    for v in report.verdicts:
+    for v in hangs:
         left = budget_left(v)
         budget = f", {left:.0f}s of the {v.timeout_seconds:.0f}s watchdog budget left" if (
             left is not None and v.timeout_seconds) else ""
-        culprits = ",".join(map(str, v.ranks))
         lines.append(f"{v.kind}: job {v.job_id}, PG {v.pg} ({v.pg_desc}), {v.op or 'collective'} #{v.seq}, "
-                     f"culprit rank(s) {culprits}{budget}")
+                     f"culprit rank(s) {','.join(map(str, v.ranks))}{budget}")
+        lines.append(f"  {v.summary}")
+    if past:
+        lines.append(f"{_count(len(past), 'past mismatch', 'past mismatches')} "
+                     "(collectives that completed although their ranks disagreed):")
+    for v in past:
+        lines.append(f"{v.kind}: job {v.job_id}, PG {v.pg} ({v.pg_desc}), {v.op} #{v.seq}, "
+                     f"culprit rank(s) {','.join(map(str, v.ranks))}")
+        lines.append(f"  {v.summary}")
+    if lags:
+        groups = _count(len(lags), "process group", "process groups")
+        lines.append(f"{groups} with lagging ranks (not hangs by themselves):")
+    for v in lags:
+        lines.append(f"{v.kind}: job {v.job_id}, PG {v.pg} ({v.pg_desc}), {v.op} #{v.seq}, "
+                     f"rank(s) {','.join(map(str, v.ranks))}")
         lines.append(f"  {v.summary}")
     return "\n".join(lines)
 
