@@ -227,7 +227,7 @@ def test_venv_has_no_torch(venv: Path, tmp_path: Path) -> None:
 
 
 def write_synthetic_rank(directory: Path) -> None:
-    """One rank's manifest and snapshot as the recorder writes them (spool.py's formats)."""
+    """One rank's manifest and snapshot as the recorder writes them (frexporter.spool's formats)."""
     directory.mkdir(mode=spool.DIR_MODE)
     stem = spool.rank_stem(JOB_ID, 0)
     spool.write_json_atomic(str(directory / (stem + spool.MANIFEST_SUFFIX)), {

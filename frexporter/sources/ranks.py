@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from frexporter import defaults, spool
+from frexporter.errors import FrexporterError
 from frexporter.fr import trace
 from frexporter.fr.domain import DeepView, translate
 from frexporter.model import (
@@ -526,10 +527,7 @@ class RanksSource:
             if not handler or (manifest.handlers and handler not in manifest.handlers):
                 continue
             obj = worker_client.post_json(path, handler, self.config.rank_timeout, query, trust=self._trust)
-            try:
-                dumps[recorder] = trace.parse_dump(obj, f"{path} {handler}")
-            except SpoolError as e:
-                raise SourceError(e.reason, str(e)) from e
+            dumps[recorder] = trace.parse_dump(obj, f"{path} {handler}")
         return dumps
 
     def _await_socket_work(self) -> None:
@@ -551,7 +549,7 @@ class RanksSource:
                     self._absorb_deep(track, future.result(), now)
                     track.deep_mono = mono
                     track.socket_alive = True
-                except SourceError as e:
+                except FrexporterError as e:  # the socket's failure, or an answer the parser refused
                     if e.reason in _SOCKET_GONE:
                         track.socket_alive = False
                     track.deep_time, track.deep_mono = now, mono  # do not hammer a failing socket every poll
@@ -560,7 +558,7 @@ class RanksSource:
                     track.deep_time, track.deep_mono = now, mono
                     self._log_once(track, SourceError("bad_response", f"{track.stem}: {e!r}"))
 
-    def _log_once(self, track: _RankTrack, err: SourceError) -> None:
+    def _log_once(self, track: _RankTrack, err: FrexporterError) -> None:
         self.errors.append((err.reason, str(err)))
         key = (track.stem, err.reason)
         if key not in self._logged:

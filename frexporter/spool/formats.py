@@ -1,0 +1,391 @@
+"""The versioned JSON formats as typed views, and their parsers (every field of untrusted data checked)."""
+
+from __future__ import annotations
+
+import array
+import bisect
+import functools
+import math
+import os
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+from frexporter.spool.layout import INT_MAX, INT_MIN, MANIFEST_FORMAT, SNAPSHOT_FORMAT, SNAPSHOT_MAP_FORMAT, SpoolError
+from frexporter.spool.limits import (
+    LIMIT_ITEMS,
+    LIMIT_MEMBERS,
+    LIMIT_TEXT,
+    MAX_ERROR_KIND_CHARS,
+    MAX_ERROR_KINDS,
+    MAX_MANIFEST_MEMBERS,
+    MAX_MESSAGE_CHARS,
+    MAX_NAMES,
+    MAX_PG_MEMBERS,
+    MAX_PGS,
+    MAX_RANK,
+    MAX_RECORDERS,
+    MAX_SNAPSHOT_BYTES,
+    MAX_TEXT_CHARS,
+)
+
+# ---------------------------------------------------------------- typed views
+
+
+@functools.total_ordering
+class Members(Sequence[int]):
+    """A PG's member ranks, sorted and distinct, at 4 bytes each, and one object per distinct member list.
+
+    A tuple of Python ints costs 40 bytes a member: 20 ranks that each list a 131,072-rank WORLD would hold
+    100 MB. Here the ranks are packed in one immutable buffer, and ``of`` hands out the object already made
+    for the same list, so the ranks of one job share their WORLD. Equal to, and hashed like, the tuple of
+    its ranks, so analysis code and tests may mix both.
+    """
+
+    __slots__ = ("__weakref__", "_data", "_hash", "_view")
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data  # native C ints, sorted ascending, distinct
+        self._view = memoryview(data).cast("i")
+        self._hash: int | None = None
+
+    _interned: weakref.WeakValueDictionary[bytes, Members] = weakref.WeakValueDictionary()
+
+    @classmethod
+    def of(cls, ranks: Iterable[int]) -> Members:
+        """Sorted distinct ``ranks`` (each in 0..MAX_RANK); OverflowError or TypeError otherwise."""
+        packed = array.array("i", sorted(set(ranks)))
+        if packed and packed[0] < 0:
+            raise OverflowError("negative rank")
+        data = packed.tobytes()
+        found = cls._interned.get(data)
+        if found is None:
+            found = cls._interned.setdefault(data, cls(data))
+        return found
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        if isinstance(index, slice):
+            return tuple(self._view[index])
+        return self._view[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._view)
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, int):
+            return False
+        i = bisect.bisect_left(self._view, value)
+        return i < len(self._view) and self._view[i] == value
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(tuple(self._view))
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Members):
+            return self._data == other._data
+        if isinstance(other, tuple):
+            return len(other) == len(self._view) and tuple(self._view) == other
+        return NotImplemented
+
+    def __lt__(self, other: object) -> bool:
+        if isinstance(other, Members):  # arrays compare by value, without a Python int per rank
+            return array.array("i", self._data) < array.array("i", other._data)
+        if isinstance(other, tuple):
+            return tuple(self._view) < other
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        head = ", ".join(map(str, self._view[:8]))
+        return f"Members([{head}{', ...' if len(self._view) > 8 else ''}], n={len(self._view)})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Members, (self._data,)
+
+
+
+@dataclass(frozen=True)
+class PGEntry:
+    """One process group as the rank sees it; ``name`` + ``ranks`` is the cross-rank identity."""
+
+    name: str
+    desc: str
+    ranks: Members | tuple[int, ...]
+    backend: str
+    local_ids: Mapping[str, int] = field(default_factory=dict)  # recorder -> predicted local pg id
+    timeout_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    job_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    pid: int
+    hostname: str
+    start_time: float
+    torch_version: str
+    backends: tuple[str, ...]
+    gpu_uuid: str
+    socket: str  # file name inside the spool directory, "" when the worker server is off
+    handlers: tuple[str, ...]
+    recorders: tuple[str, ...]
+    fr_buffer_size: int
+    process_groups: tuple[PGEntry, ...]
+    generation: int
+
+
+@dataclass(frozen=True)
+class RawPGStatus:
+    """``pg_status`` of one local pg id, in torch's own (mixed) sequence domain."""
+
+    enqueued: int
+    started: int
+    completed: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    pid: int
+    time: float
+    interval: float
+    counter: int
+    status: Mapping[str, Mapping[int, RawPGStatus]]  # recorder -> local pg id -> status
+    errors: Mapping[str, int]
+    state: str  # "running", "exiting", "stopped"
+    message: str
+
+
+class _Fields:
+    """Typed access to an untrusted JSON object; every miss is a SpoolError('invalid'), every string and
+    list past its bound a SpoolError with a LIMIT_REASONS reason."""
+
+    def __init__(self, obj: Any, what: str) -> None:
+        if not isinstance(obj, dict):
+            raise SpoolError("invalid", f"{what}: expected an object, got {type(obj).__name__}")
+        self.obj = obj
+        self.what = what
+
+    def _get(self, key: str, types: tuple[type, ...], default: Any) -> Any:
+        if key not in self.obj:
+            if default is _REQUIRED:
+                raise SpoolError("invalid", f"{self.what}: missing field {key!r}")
+            return default
+        value = self.obj[key]
+        # bool is an int subclass; a manifest that says rank=true is malformed.
+        if isinstance(value, bool) and bool not in types:
+            raise SpoolError("invalid", f"{self.what}: field {key!r} has the wrong type")
+        if not isinstance(value, types):
+            raise SpoolError("invalid", f"{self.what}: field {key!r} has the wrong type")
+        return value
+
+    def str(self, key: str, default: Any = None, limit: int = MAX_TEXT_CHARS) -> str:
+        return _bounded_text(self._get(key, (str,), _REQUIRED if default is None else default), limit,
+                             f"{self.what}: field {key!r}")
+
+    def int(self, key: str, default: Any = None) -> int:
+        value = self._get(key, (int,), _REQUIRED if default is None else default)
+        if not INT_MIN <= value <= INT_MAX:
+            raise SpoolError("invalid", f"{self.what}: field {key!r} is out of range")
+        return value
+
+    def num(self, key: str, default: Any = None) -> float:
+        value = _finite(self._get(key, (int, float), _REQUIRED if default is None else default))
+        if value is None:
+            raise SpoolError("invalid", f"{self.what}: field {key!r} is not a finite number")
+        return value
+
+    def list(self, key: str, default: Any = None, limit: int | None = None) -> list[Any]:
+        value = self._get(key, (list,), _REQUIRED if default is None else default)
+        if limit is not None and len(value) > limit:
+            raise SpoolError(LIMIT_ITEMS, f"{self.what}: field {key!r} has {len(value)} items, over the "
+                                          f"bound of {limit}")
+        return value
+
+    def dict(self, key: str, default: Any = None, limit: int | None = None) -> dict[str, Any]:
+        value = self._get(key, (dict,), _REQUIRED if default is None else default)
+        if limit is not None and len(value) > limit:
+            raise SpoolError(LIMIT_ITEMS, f"{self.what}: field {key!r} has {len(value)} entries, over the "
+                                          f"bound of {limit}")
+        return value
+
+    def names(self, key: str) -> tuple[str, ...]:
+        """A list of short strings (handlers, recorders, backends)."""
+        out = []
+        for i, name in enumerate(self.list(key, [], limit=MAX_NAMES)):
+            if not isinstance(name, str):
+                raise SpoolError("invalid", f"{self.what}: {key}[{i}] is not a string")
+            out.append(_bounded_text(name, MAX_TEXT_CHARS, f"{self.what}: {key}[{i}]"))
+        return tuple(out)
+
+
+def _bounded_text(value: str, limit: int, what: str) -> str:
+    if len(value) > limit:
+        raise SpoolError(LIMIT_TEXT, f"{what} is {len(value)} characters long, over the bound of {limit}")
+    return value
+
+
+_REQUIRED = object()
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (JSON admits NaN, Infinity and ints too big for a float)."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+def _show(value: Any) -> str:
+    """A key of untrusted data for a message: repr() of a pickled bignum raises, of a container can be huge."""
+    if isinstance(value, str):
+        return repr(value[:64])
+    if isinstance(value, int) and INT_MIN <= value <= INT_MAX:
+        return repr(value)
+    return f"<{type(value).__name__}>"
+
+
+def _int64(value: Any) -> int:
+    """A counter of torch's (an int, or a string of one in JSON dumps) that fits in 64 bits."""
+    out = int(value)
+    if not INT_MIN <= out <= INT_MAX:
+        raise ValueError("out of the 64-bit range")
+    return out
+
+
+def _check_format(obj: Any, expected: str, what: str) -> None:
+    fmt = obj.get("format") if isinstance(obj, dict) else None
+    if not isinstance(fmt, str) or not fmt.startswith("frexporter."):
+        raise SpoolError("foreign", f"{what}: not a frexporter file")
+    if fmt != expected:
+        raise SpoolError("unknown_version", f"{what}: format {fmt[:64]!r} is not supported (want {expected!r})")
+
+
+def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
+    _check_format(obj, MANIFEST_FORMAT, what)
+    f = _Fields(obj, what)
+    raw_pgs = f.list("process_groups", [], limit=MAX_PGS)
+    total = 0
+    for i, raw in enumerate(raw_pgs):
+        # Counted before any list is parsed: a file over the bound costs no more than reading it.
+        ranks = raw.get("ranks") if isinstance(raw, dict) else None
+        if isinstance(ranks, list):
+            if len(ranks) > MAX_PG_MEMBERS:
+                raise SpoolError(LIMIT_MEMBERS, f"{what}: process_groups[{i}] lists {len(ranks)} members, "
+                                                f"over the bound of {MAX_PG_MEMBERS}")
+            total += len(ranks)
+    if total > MAX_MANIFEST_MEMBERS:
+        raise SpoolError(LIMIT_MEMBERS, f"{what}: its process groups list {total} members in all, over the "
+                                        f"bound of {MAX_MANIFEST_MEMBERS}")
+    pgs = [_parse_pg(raw, f"{what}: process_groups[{i}]") for i, raw in enumerate(raw_pgs)]
+    rank = f.int("rank")
+    if rank < 0:
+        raise SpoolError("invalid", f"{what}: rank must be >= 0")
+    return Manifest(
+        job_id=f.str("job_id"),
+        rank=rank,
+        local_rank=f.int("local_rank", -1),
+        world_size=f.int("world_size", 0),
+        pid=f.int("pid"),
+        hostname=f.str("hostname", ""),
+        start_time=f.num("start_time", 0.0),
+        torch_version=f.str("torch_version", ""),
+        backends=f.names("backends"),
+        gpu_uuid=f.str("gpu_uuid", ""),
+        socket=os.path.basename(f.str("socket", "")),
+        handlers=f.names("handlers"),
+        recorders=f.names("recorders"),
+        fr_buffer_size=f.int("fr_buffer_size", 0),
+        process_groups=tuple(pgs),
+        generation=f.int("generation", 0),
+    )
+
+
+def _parse_pg(raw: Any, what: str) -> PGEntry:
+    p = _Fields(raw, what)
+    ranks = p.list("ranks")
+    # type() rather than isinstance(): bool is an int subclass, and rank true is no rank.
+    if not set(map(type, ranks)) <= {int}:
+        raise SpoolError("invalid", f"{what}.ranks must be non-negative integers")
+    try:
+        members = Members.of(ranks)
+    except OverflowError as e:
+        raise SpoolError("invalid", f"{what}.ranks must be integers from 0 to {MAX_RANK}") from e
+    local_ids = {}
+    for k, v in p.dict("local_ids", {}, limit=MAX_NAMES).items():
+        if isinstance(v, int) and not isinstance(v, bool):
+            local_ids[_bounded_text(k, MAX_TEXT_CHARS, f"{what}.local_ids key")] = v
+    raw_timeout = p.obj.get("timeout_seconds")
+    timeout = _finite(raw_timeout) if isinstance(raw_timeout, (int, float)) else None
+    return PGEntry(
+        name=p.str("name"),
+        desc=p.str("desc", ""),
+        ranks=members,
+        backend=p.str("backend", ""),
+        local_ids=local_ids,
+        timeout_seconds=timeout if timeout is not None and timeout > 0 else None,
+    )
+
+
+def parse_pg_status(raw: Any, what: str) -> dict[int, RawPGStatus]:
+    """torch's ``pg_status``: ints in pickle dumps, strings in JSON dumps; accept both."""
+    if not isinstance(raw, dict):
+        raise SpoolError("invalid", f"{what}: pg_status must be an object")
+    if len(raw) > MAX_PGS:
+        raise SpoolError(LIMIT_ITEMS, f"{what}: pg_status has {len(raw)} entries, over the bound of {MAX_PGS}")
+    out: dict[int, RawPGStatus] = {}
+    for key, val in raw.items():
+        try:
+            pg_id = _int64(key)
+            if not isinstance(val, dict):
+                raise TypeError
+            out[pg_id] = RawPGStatus(
+                enqueued=_int64(val.get("last_enqueued_collective", -1)),
+                started=_int64(val.get("last_started_collective", -1)),
+                completed=_int64(val.get("last_completed_collective", -1)),
+            )
+        except (TypeError, ValueError, OverflowError) as e:
+            raise SpoolError("invalid", f"{what}: pg_status[{_show(key)}] is malformed") from e
+    return out
+
+
+def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
+    fmt = obj.get("format") if isinstance(obj, dict) else None
+    mapped = fmt == SNAPSHOT_MAP_FORMAT
+    _check_format(obj, SNAPSHOT_MAP_FORMAT if mapped else SNAPSHOT_FORMAT, what)
+    f = _Fields(obj, what)
+    status = {}
+    for recorder, raw in f.dict("status", {}, limit=MAX_RECORDERS).items():
+        _bounded_text(recorder, MAX_TEXT_CHARS, f"{what}: recorder name")
+        if mapped:  # torch's whole answer; its pg_status is what we use
+            raw = _Fields(raw, f"{what}: status.{recorder}").dict("pg_status", {})
+        status[recorder] = parse_pg_status(raw, f"{what}: status.{recorder}")
+    errors = {}
+    for kind, count in f.dict("errors", {}, limit=MAX_ERROR_KINDS).items():
+        # A label value: cutting it could merge two kinds.
+        _bounded_text(kind, MAX_ERROR_KIND_CHARS, f"{what}: error kind")
+        if isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= INT_MAX:
+            errors[kind] = count
+    return Snapshot(
+        pid=f.int("pid"),
+        time=f.num("time"),
+        interval=max(0.05, f.num("interval", 1.0)),
+        counter=f.int("counter", 0),
+        status=status,
+        errors=errors,
+        state=f.str("state", "running"),
+        message=f.str("message", "", limit=MAX_SNAPSHOT_BYTES)[:MAX_MESSAGE_CHARS],
+    )
