@@ -4,9 +4,7 @@ tests/rules/, the conventions every alert follows, and the timing scaler."""
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ import yaml
 
 from frexporter import naming
 from frexporter.rules import RULES_PATH, SCALE_MARKER, load_rules, parse_duration, render_rules
+from tests.harness import require_tool
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT_TESTS = sorted((REPO / "tests" / "rules").glob("*.yml"))
@@ -38,12 +37,7 @@ def _recorded() -> set[str]:
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
-            pytest.fail("promtool is not on PATH and FREXPORTER_REQUIRE_TOOLS=1")
-        pytest.skip("promtool is not on PATH (Debian: apt-get install prometheus)")
-    return path
+    return require_tool("promtool", "Debian: apt-get install prometheus")
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
