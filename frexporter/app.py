@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from frexporter import spool
+from frexporter import extras, spool
 from frexporter.analysis import VerdictConfig, make_analyzer
 from frexporter.evidence import EvidenceConfig, EvidenceWriter
 from frexporter.exporter import Exporter, Source
@@ -74,9 +74,12 @@ def build_app(
 
     ``web_config``: TLS and basic auth for every endpoint. ``debug_endpoints`` adds /api/v1/evidence; it
     raises WebConfigError (a ValueError) on a non-loopback ``host`` unless TLS and authentication are on.
+    ``otlp_endpoint`` without the otlp extra installed raises MissingExtraError.
     """
     if debug_endpoints:
         check_debug_exposure(host, web_config)
+    if otlp_endpoint:
+        extras.require(extras.OTLP, "--otlp-endpoint")
     ranks = RanksSource(
         RanksConfig(
             directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval,

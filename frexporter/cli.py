@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from frexporter import __version__, spool
+from frexporter import __version__, extras, spool
 from frexporter.sources.ranks import DEFAULT_DEEP_INTERVAL
 
 DEFAULT_LISTEN = ":9477"
@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "analyze":
         return _analyze(parser, args)
     if args.command == "demo":
+        try:
+            extras.require(extras.SERVE, "frexporter demo")
+        except extras.MissingExtraError as e:
+            print(f"frexporter: {e}", file=sys.stderr)
+            return 2
         from frexporter.demo import run_demo
 
         return run_demo(ranks=args.ranks, keep=args.keep)
@@ -157,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    try:  # before anything binds or imports the daemon's dependencies
+        extras.require(extras.SERVE, "frexporter serve")
+        if args.otlp_endpoint:
+            extras.require(extras.OTLP, "frexporter serve --otlp-endpoint")
+    except extras.MissingExtraError as e:
+        print(f"frexporter: {e}", file=sys.stderr)
+        return 2
     from frexporter.app import build_app
 
     log = logging.getLogger("frexporter")
