@@ -116,14 +116,18 @@ def test_run_installs_the_recorder_without_code_change(tmp_path: Path) -> None:
             assert p.wait(timeout=30) == 0
 
 
+def python_without(modules: list[str], code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a process where ``modules`` cannot be imported, as if their packages were not installed."""
+    block = ("import sys\n"
+             f"for name in {modules!r}:\n"
+             "    sys.modules[name] = None  # import raises ModuleNotFoundError, find_spec finds nothing\n")
+    return subprocess.run([sys.executable, "-c", block + code, *args], capture_output=True, text=True, timeout=120,
+                          env=ENV)
+
+
 def without(modules: list[str], *args: str) -> subprocess.CompletedProcess[str]:
-    """The CLI in a process where ``modules`` cannot be imported, as if their packages were not installed."""
-    code = ("import sys\n"
-            f"for name in {modules!r}:\n"
-            "    sys.modules[name] = None  # import raises ModuleNotFoundError, find_spec finds nothing\n"
-            "from frexporter.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))\n")
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, env=ENV)
+    """The CLI, ``frexporter ARGS``, without ``modules``."""
+    return python_without(modules, "from frexporter.cli import main\nsys.exit(main(sys.argv[1:]))\n", *args)
 
 
 def test_serve_without_the_serve_extra_names_the_pip_command(tmp_path: Path) -> None:
@@ -144,6 +148,14 @@ def test_otlp_endpoint_without_the_otlp_extra_names_the_pip_command(tmp_path: Pa
     assert out.stderr.strip().splitlines() == [
         "frexporter: frexporter serve --otlp-endpoint needs the 'otlp' extra (opentelemetry.sdk is not installed): "
         "pip install 'frexporter[otlp]'"]
+    # Without --otlp-endpoint the exporter runs, and nothing on its path imports OpenTelemetry.
+    serve = ("from frexporter.app import build_app\n"
+             "app = build_app(directory=sys.argv[1], port=0, nvml=False, evidence_dir='')\n"
+             "app.start()\n"
+             "app.stop()\n"
+             "print(sorted(m for m, v in sys.modules.items() if v is not None and m.startswith('opentelemetry')))\n")
+    out = python_without(["opentelemetry"], serve, str(tmp_path))
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
 def test_run_and_analyze_import_none_of_the_daemon_dependencies(tmp_path: Path) -> None:
