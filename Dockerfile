@@ -1,5 +1,5 @@
-# frexporter node exporter: `frexporter serve` without torch (the recorder runs in the
-# training image, which installs frexporter with pip next to its own torch).
+# frexporter node exporter: `frexporter serve` with the serve, otlp and auth extras, without torch (the
+# recorder runs in the training image, whose plain `pip install frexporter` pulls no dependency at all).
 #   docker build -t frexporter .
 #   docker run --rm -p 9477:9477 -v /run/frexporter:/run/frexporter:ro frexporter
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -15,7 +15,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     FREXPORTER_DIR=/run/frexporter
 COPY --from=build /dist /tmp/dist
-RUN pip install --no-cache-dir "$(ls /tmp/dist/*.whl)[auth,otlp]" \
+RUN pip install --no-cache-dir "$(ls /tmp/dist/*.whl)[serve,otlp,auth]" \
     && rm -rf /tmp/dist \
     && python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" \
     && groupadd --system --gid 65532 nonroot \

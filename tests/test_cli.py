@@ -119,6 +119,57 @@ def test_run_installs_the_recorder_without_code_change(tmp_path: Path) -> None:
             assert p.wait(timeout=30) == 0
 
 
+def python_without(modules: list[str], code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a process where ``modules`` cannot be imported, as if their packages were not installed."""
+    block = ("import sys\n"
+             f"for name in {modules!r}:\n"
+             "    sys.modules[name] = None  # import raises ModuleNotFoundError, find_spec finds nothing\n")
+    return subprocess.run([sys.executable, "-c", block + code, *args], capture_output=True, text=True, timeout=120,
+                          env=ENV)
+
+
+def without(modules: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI, ``frexporter ARGS``, without ``modules``."""
+    return python_without(modules, "from frexporter.cli import main\nsys.exit(main(sys.argv[1:]))\n", *args)
+
+
+def test_serve_without_the_serve_extra_names_the_pip_command(tmp_path: Path) -> None:
+    out = without(["prometheus_client"], "serve", "--dir", str(tmp_path), "--listen", f"127.0.0.1:{free_port()}")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "frexporter: frexporter serve needs the 'serve' extra (prometheus_client is not installed): "
+        "pip install 'frexporter[serve]'"]
+    out = without(["prometheus_client"], "demo")
+    assert out.returncode == 2 and out.stderr.strip().endswith("pip install 'frexporter[serve]'"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_otlp_endpoint_without_the_otlp_extra_names_the_pip_command(tmp_path: Path) -> None:
+    out = without(["opentelemetry"], "serve", "--dir", str(tmp_path), "--listen", f"127.0.0.1:{free_port()}",
+                  "--no-nvml", "--otlp-endpoint", "http://127.0.0.1:4318")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "frexporter: frexporter serve --otlp-endpoint needs the 'otlp' extra (opentelemetry.sdk is not installed): "
+        "pip install 'frexporter[otlp]'"]
+    # Without --otlp-endpoint the exporter runs, and nothing on its path imports OpenTelemetry.
+    serve = ("from frexporter.app import build_app\n"
+             "app = build_app(directory=sys.argv[1], port=0, sources=('ranks',), evidence_dir='')\n"
+             "app.start()\n"
+             "app.stop()\n"
+             "print(sorted(m for m, v in sys.modules.items() if v is not None and m.startswith('opentelemetry')))\n")
+    out = python_without(["opentelemetry"], serve, str(tmp_path))
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_run_and_analyze_import_none_of_the_daemon_dependencies(tmp_path: Path) -> None:
+    """The base install (no extras) is the recorder and these commands: they must work without any extra."""
+    daemon = ["prometheus_client", "opentelemetry", "pynvml", "yaml", "bcrypt"]
+    out = without(daemon, "run", "--dir", str(tmp_path / "spool"), "--", sys.executable, "-c", "print('ran')")
+    assert out.returncode == 0 and out.stdout.strip() == "ran", out.stderr
+    out = without(daemon, "analyze", str(tmp_path))
+    assert out.returncode == 1 and "no rank data" in out.stderr, out.stderr
+
+
 def test_run_without_command_is_a_usage_error() -> None:
     out = frexporter("run")
     assert out.returncode == 2 and "no command" in out.stderr
@@ -163,7 +214,8 @@ def test_deep_interval_spaces_the_routine_reads_of_a_busy_rank(tmp_path: Path) -
             return len(reads["0"]) >= 8
 
         wait_for(observe, timeout=30, interval=0.1, what="eight deep reads with --deep-interval 0")
-        moved = completed(rank_status("1000")) - completed(start["1000"])
+        now = wait_for(lambda: rank_status("1000"), timeout=30, what="a status answer (1000)")
+        moved = completed(now) - completed(start["1000"])
         assert moved > 0, "the rank made no progress: nothing for a deep read to refresh"
         # Not == 1: a poll may catch the same snapshot twice with a collective in flight (a possible stall, read at
         # once whatever the interval), or a loaded machine may leave the heartbeat stale for a poll.

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,20 +17,18 @@ from typing import Any
 import pytest
 
 from frexporter import naming
+from tests.harness import require_module, require_tool
 from tests.rulefile import load_rules
 
-REQUIRE_TOOLS = os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1"
-try:
-    from grafana_foundation_sdk.cog.encoder import JSONEncoder
-    from grafana_foundation_sdk.cog.plugins import register_default_plugins
-    from grafana_foundation_sdk.models import dashboard as mdash
-    from grafana_foundation_sdk.models import prometheus as mprom
+# The SDK is dev tooling, pinned in the test extra.
+require_module("grafana_foundation_sdk", "grafana-foundation-sdk (the test extra)")
 
-    from grafana import generate
-except ImportError as error:  # the SDK is dev tooling: pip install 'grafana-foundation-sdk==1769699379!11.6.0'
-    if REQUIRE_TOOLS:
-        raise
-    pytest.skip(f"grafana-foundation-sdk is not installed ({error})", allow_module_level=True)
+from grafana_foundation_sdk.cog.encoder import JSONEncoder  # noqa: E402
+from grafana_foundation_sdk.cog.plugins import register_default_plugins  # noqa: E402
+from grafana_foundation_sdk.models import dashboard as mdash  # noqa: E402
+from grafana_foundation_sdk.models import prometheus as mprom  # noqa: E402
+
+from grafana import generate  # noqa: E402 (after the check: it imports the SDK)
 
 REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "grafana"
@@ -258,12 +255,7 @@ def test_runbook_links_follow_the_rules_under_an_empty_base() -> None:
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if REQUIRE_TOOLS:
-            pytest.fail("promtool is not on PATH and FREXPORTER_REQUIRE_TOOLS=1")
-        pytest.skip("promtool is not on PATH (Debian: apt-get install prometheus)")
-    return path
+    return require_tool("promtool", "Debian: apt-get install prometheus")
 
 
 def _promtool_parse(promtool: str, tmp_path: Path, exprs: list[tuple[str, str]]) -> subprocess.CompletedProcess[str]:

@@ -497,7 +497,7 @@ def test_one_capture_reads_sockets_for_at_most_its_deadline(tmp_path: Path) -> N
         for rank in range(8):
             spoolgen.write_rank(spool_dir, "job", rank, socket="silent" + spool.SOCKET_SUFFIX, recorders=[])
         source = RanksSource(RanksConfig(directory=str(spool_dir)))
-        ranks = source.collect()
+        ranks = source.read_ranks()
         source.close()
         assert len(ranks) == 8
         config = EvidenceConfig(directory=str(tmp_path / "evidence"), timeout=0.5, deadline=1.2)

@@ -16,12 +16,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from benchmarks import fuzz
 
 CASES = 300
-# Crashes found in parsers this suite's author does not own; each entry goes when its owner fixes the parser.
+# Crashes found in parsers this suite's author does not own; each entry goes when its owner fixes the parser
+# (strict: a fixed parser fails the run until its entry goes).
 KNOWN_FAILURES: dict[str, str] = {}
 CI_BUDGET_FACTOR = 4.0
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[n], strict=False))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[n], strict=True))
                                   if n in KNOWN_FAILURES else n for n in sorted(fuzz.TARGETS)])
 def test_parser_survives_fuzzing(name: str) -> None:
     target = fuzz.TARGETS[name]

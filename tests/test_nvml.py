@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from frexporter.outputs.gpu_metrics import gpu_metric_families
 from frexporter.sources.base import SourceError
 from frexporter.sources.nvml import FieldNotSupported, GpuBackendError, GpuLost, NvmlSource, PynvmlBackend, XidEvent
 from tests.fakes.gpu import NORMAL, FakeGpu, FakeGpuBackend, FakePynvml, RawGpu, full_nvlinks
+from tests.harness import require_tool
 
 LOGGER = "frexporter.sources.nvml"
 SERIES_BUDGET_PER_GPU = 30  # docs/architecture.md, Budgets
@@ -378,11 +377,7 @@ def test_exposition_passes_promtool() -> None:
     text = exposition(full_reading())
     assert n.GPU_ENERGY_JOULES_TOTAL.encode() + b"{" in text
     assert b"# TYPE " + n.GPU_XID_ERRORS_TOTAL.encode() + b" counter" in text
-    promtool = shutil.which("promtool") or shutil.which("/usr/bin/promtool")
-    if promtool is None:
-        if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
-            pytest.fail("promtool not found and FREXPORTER_REQUIRE_TOOLS=1")
-        pytest.skip("promtool not installed")
+    promtool = require_tool("promtool", "Debian: apt-get install prometheus")
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 

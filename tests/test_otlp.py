@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import select
 import signal
 import socket
@@ -29,20 +28,11 @@ from frexporter.exporter import Exporter
 from frexporter.model import NodeSnapshot, RemappedRows
 from frexporter.outputs.prometheus import SnapshotCollector
 from frexporter.sources.base import Reading
-from tests.harness import REPO, free_port, wait_for
+from tests.harness import REPO, free_port, missing, require_module, wait_for
 from tests.test_golden_metrics import fixed_snapshot
 
-
-def _require_module(module: str, package: str) -> None:
-    if importlib.util.find_spec(module) is not None:
-        return
-    if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
-        pytest.fail(f"{package} is required (FREXPORTER_REQUIRE_TOOLS=1) but not installed")
-    pytest.skip(f"{package} not installed")
-
-
-_require_module("opentelemetry.exporter.otlp.proto.http", "opentelemetry-exporter-otlp-proto-http")
-_require_module("opentelemetry.exporter.otlp.proto.grpc", "opentelemetry-exporter-otlp-proto-grpc")
+require_module("opentelemetry.exporter.otlp.proto.http", "opentelemetry-exporter-otlp-proto-http (the otlp extra)")
+require_module("opentelemetry.exporter.otlp.proto.grpc", "opentelemetry-exporter-otlp-proto-grpc (the otlp extra)")
 
 from frexporter.outputs import otlp  # noqa: E402 (after the skip: the exporters are optional)
 from frexporter.outputs.otlp import OtlpConfigError, OtlpPusher, otel_metric, parse_endpoint  # noqa: E402
@@ -194,7 +184,7 @@ def test_every_metric_name_has_its_documented_otlp_name() -> None:
 
 
 def test_semantic_convention_names_match_the_opentelemetry_registry() -> None:
-    hw = pytest.importorskip("opentelemetry.semconv._incubating.metrics.hw_metrics")
+    hw = require_module("opentelemetry.semconv._incubating.metrics.hw_metrics", "opentelemetry-semantic-conventions")
     assert {hw.HW_GPU_UTILIZATION, hw.HW_GPU_MEMORY_USAGE, hw.HW_GPU_MEMORY_LIMIT, hw.HW_POWER, hw.HW_ENERGY,
             hw.HW_ERRORS} == {name for name, _, _ in EXPECTED_NAMES.values() if name.startswith("hw.")}
 
@@ -534,9 +524,7 @@ def test_through_the_rotel_collector(receiver: Receiver, pushers: list[OtlpPushe
     spec = importlib.util.find_spec("rotel")
     agent = Path(spec.origin).parent / "rotel-agent" if spec and spec.origin else None
     if agent is None or not agent.exists():
-        if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
-            pytest.fail("rotel is required (FREXPORTER_REQUIRE_TOOLS=1) but not installed")
-        pytest.skip("rotel not installed")
+        missing("rotel (the test extra) is not installed")
     grpc_port, http_port = free_port(), free_port()
     log_path = tmp_path / "rotel.log"
     with open(log_path, "w") as log_file:

@@ -27,7 +27,7 @@ from frexporter import naming as n
 from frexporter.analysis.verdicts import MISSING_RANK, VerdictConfig, evaluate
 from frexporter.model import RANK_OK, RANK_UNRESPONSIVE
 from frexporter.postmortem import prometheus
-from tests.harness import REPO, Job, wait_for
+from tests.harness import REPO, Job, require_module, wait_for
 from tests.promstack import SCALE, PromStack
 from tests.rulefile import load_rules
 
@@ -124,11 +124,6 @@ def test_analyze_names_the_rank_that_skipped_a_collective(
 
 # --- dashboards --------------------------------------------------------------------------------------------
 
-try:
-    from grafana import generate
-except ImportError as error:  # the SDK is dev tooling (see tests/test_dashboards.py)
-    generate = None  # type: ignore[assignment]
-    GENERATE_ERROR = str(error)
 
 # What a CPU gloo job with a desync in flight, watched with the shipped rules, offers the dashboards.
 AVAILABLE = frozenset({"recording_rules", "inflight", "verdict", "alert", "frexporter_scrape_job"})
@@ -166,10 +161,9 @@ def test_every_dashboard_query_returns_data_for_a_desync(
     promstack: PromStack, job_factory: Callable[..., Job], exporter_factory: Callable[..., Any],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    if generate is None:
-        if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
-            pytest.fail(f"grafana-foundation-sdk is required: {GENERATE_ERROR}")
-        pytest.skip(f"grafana-foundation-sdk is not installed ({GENERATE_ERROR})")
+    require_module("grafana_foundation_sdk", "grafana-foundation-sdk (the test extra)")  # dev tooling
+    from grafana import generate
+
     assert AVAILABLE <= generate.Needs.ALL
     job_id = "views-dashboards"
     job = _pair_skip_job(job_factory, job_id)

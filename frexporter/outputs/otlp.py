@@ -44,7 +44,7 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client.core import Metric as PromMetric
 
-from frexporter import __version__, defaults
+from frexporter import __version__, defaults, extras
 from frexporter import naming as n
 from frexporter.model import NodeSnapshot, SourceStatus
 from frexporter.outputs.prometheus import SnapshotCollector
@@ -282,7 +282,7 @@ def _make_exporter(target: Target, timeout: float) -> MetricExporter:
     except ImportError as e:
         package = "grpc" if target.protocol == PROTOCOL_GRPC else "http"
         raise OtlpConfigError(f"OTLP over {target.protocol} needs opentelemetry-exporter-otlp-proto-{package} "
-                              f"({e})") from e
+                              f"({e}): {extras.pip_command(extras.OTLP)}") from e
 
 
 class _SdkLogCapture(logging.Handler):
