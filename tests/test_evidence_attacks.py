@@ -316,12 +316,14 @@ def test_pruning_removes_only_bundles_it_wrote(tmp_path: Path) -> None:
 
 
 def test_a_flood_of_stale_fake_ranks_is_bounded(tmp_path: Path) -> None:
-    """5,000 fake ranks that all go down at once: 5,000 verdicts, at most MAX_CAPTURES_PER_INTERVAL captures
-    (each writes one bundle and makes one refused connection), every other one counted, and the verdict and
+    """5,000 fake ranks that all go down at once: the ranks source tracks MAX_RANKS_PER_NODE of them (the rest
+    are refused and counted there), so that many verdicts; at most MAX_CAPTURES_PER_INTERVAL captures (each
+    writes one bundle and makes one refused connection), every other one counted, and the verdict and
     evidence log lines bounded."""
-    ranks = 5000
+    fakes = 5000
+    ranks = min(fakes, spool.MAX_RANKS_PER_NODE)
     spool_dir = tmp_path / "spool"
-    for rank in range(ranks):
+    for rank in range(fakes):
         spoolgen.write_rank(spool_dir, "job", rank, socket=DEAD_SOCKET)
     dead_socket(spool_dir)
     ev = spool_dir / spool.EVIDENCE_DIRNAME
