@@ -77,7 +77,7 @@ def exporter_factory() -> Iterator:
     apps: list[App] = []
 
     def make(directory: Path, **kw: object) -> RunningExporter:
-        options = {"port": 0, "poll_interval": 0.2, "rank_timeout": 1.0, "nvml": False, "deep_interval": 1.0}
+        options = {"port": 0, "poll_interval": 0.2, "rank_timeout": 1.0, "sources": ("ranks",), "deep_interval": 1.0}
         options.update(kw)
         app = build_app(directory=str(directory), host="127.0.0.1", **options)  # type: ignore[arg-type]
         app.start()
