@@ -410,6 +410,8 @@ class MetricsServer:
         self._thread.start()
 
     def stop(self) -> None:
-        self.httpd.shutdown()
+        # shutdown() waits for serve_forever to notice, and would wait for ever on a server never started.
+        if self._thread.is_alive():
+            self.httpd.shutdown()
         self.httpd.server_close()
         self.httpd.close_open_connections()
