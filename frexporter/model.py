@@ -7,16 +7,102 @@ can be compared; process groups are named by their cross-rank name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import array
+import bisect
+import functools
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, overload
 
 # Rank liveness, as the exporter judges it this poll.
 RANK_OK = "ok"  # fresh heartbeat
 RANK_UNRESPONSIVE = "unresponsive"  # heartbeat stale but the C++ worker server answers: Python is wedged
 RANK_DOWN = "down"  # heartbeat stale and the socket is dead
 RANK_EXITED = "exited"  # the recorder said goodbye (clean interpreter exit)
+
+
+@functools.total_ordering
+class Members(Sequence[int]):
+    """A PG's member ranks, sorted and distinct, at 4 bytes each, and one object per distinct member list.
+
+    A tuple of Python ints costs 40 bytes a member: 20 ranks that each list a 131,072-rank WORLD would hold
+    100 MB. Here the ranks are packed in one immutable buffer, and ``of`` hands out the object already made
+    for the same list, so the ranks of one job share their WORLD. Equal to, and hashed like, the tuple of
+    its ranks, so analysis code and tests may mix both.
+    """
+
+    __slots__ = ("__weakref__", "_data", "_hash", "_view")
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data  # native C ints, sorted ascending, distinct
+        self._view = memoryview(data).cast("i")
+        self._hash: int | None = None
+
+    _interned: weakref.WeakValueDictionary[bytes, Members] = weakref.WeakValueDictionary()
+
+    @classmethod
+    def of(cls, ranks: Iterable[int]) -> Members:
+        """Sorted distinct ``ranks`` (each fits a C int, as torch keeps ranks); OverflowError or TypeError otherwise."""
+        packed = array.array("i", sorted(set(ranks)))
+        if packed and packed[0] < 0:
+            raise OverflowError("negative rank")
+        data = packed.tobytes()
+        found = cls._interned.get(data)
+        if found is None:
+            found = cls._interned.setdefault(data, cls(data))
+        return found
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        if isinstance(index, slice):
+            return tuple(self._view[index])
+        return self._view[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._view)
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, int):
+            return False
+        i = bisect.bisect_left(self._view, value)
+        return i < len(self._view) and self._view[i] == value
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(tuple(self._view))
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Members):
+            return self._data == other._data
+        if isinstance(other, tuple):
+            return len(other) == len(self._view) and tuple(self._view) == other
+        return NotImplemented
+
+    def __lt__(self, other: object) -> bool:
+        if isinstance(other, Members):  # arrays compare by value, without a Python int per rank
+            return array.array("i", self._data) < array.array("i", other._data)
+        if isinstance(other, tuple):
+            return tuple(self._view) < other
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        head = ", ".join(map(str, self._view[:8]))
+        return f"Members([{head}{', ...' if len(self._view) > 8 else ''}], n={len(self._view)})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Members, (self._data,)
+
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,7 @@ def test_a_full_ring_at_the_entry_bound_parses() -> None:
 @pytest.mark.parametrize("over", [0, 1])
 def test_shared_size_lists_are_charged_for_every_use(over: int) -> None:
     """A pickle can give every entry one list of 1024 shapes: converted once, counted per entry."""
-    obj = fuzz.frdump.decode(fuzz.size_values_pickle(over), "memo")
+    obj = fuzz.dumpfiles.decode(fuzz.size_values_pickle(over), "memo")
     if over:
         with pytest.raises(SpoolError) as e:
             trace.parse_dump(obj)

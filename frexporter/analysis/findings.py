@@ -29,8 +29,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from frexporter.analysis.matching import Mismatch, find_mismatch
-from frexporter.model import RANK_DOWN, RANK_EXITED, RANK_OK, RANK_UNRESPONSIVE, InflightCollective, PGState, RankState
-from frexporter.spool import Members
+from frexporter.model import (
+    RANK_DOWN,
+    RANK_EXITED,
+    RANK_OK,
+    RANK_UNRESPONSIVE,
+    InflightCollective,
+    Members,
+    PGState,
+    RankState,
+)
 
 RankKey = tuple[str, int]  # (job_id, global rank)
 
