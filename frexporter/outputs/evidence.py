@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frexporter import spool
+from frexporter.errors import FrexporterError
 from frexporter.model import RankState
 from frexporter.sources import worker_client
 from frexporter.sources.base import SourceError
@@ -74,12 +75,8 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
 
 
-class EvidenceRefused(Exception):
+class EvidenceRefused(FrexporterError):
     """The evidence directory (or something in it) is not safe to use; ``reason`` is a bounded label value."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -367,25 +364,15 @@ class EvidenceWriter:
         directory = self.config.directory
         try:
             dir_fd, directory = open_evidence_dir(directory)
-        except EvidenceRefused as e:
-            self.dir_ok = False
-            self.note(e.reason, f"evidence directory refused: {e}")
-            return None
-        except OSError as e:
-            self.dir_ok = False
-            self.note(REASON_IO, f"cannot open evidence directory {directory}: {e.strerror or e}")
+        except (EvidenceRefused, OSError) as e:
+            self._refused(e, f"cannot open evidence directory {directory}")
             return None
         try:
             try:
                 key = _key(dir_fd, directory)
                 name, bundle_fd = self._new_bundle(dir_fd, verdict)
-            except EvidenceRefused as e:
-                self.dir_ok = False
-                self.note(e.reason, f"evidence directory refused: {e}")
-                return None
-            except OSError as e:
-                self.dir_ok = False
-                self.note(REASON_IO, f"cannot create evidence bundle under {directory}: {e.strerror or e}")
+            except (EvidenceRefused, OSError) as e:
+                self._refused(e, f"cannot create evidence bundle under {directory}")
                 return None
             path = os.path.join(directory, name)
             try:
@@ -405,6 +392,14 @@ class EvidenceWriter:
             os.close(dir_fd)
         log.info("evidence for %s on PG %s seq %s written to %s", verdict.kind, verdict.pg, verdict.seq, path)
         return path
+
+    def _refused(self, error: EvidenceRefused | OSError, doing: str) -> None:
+        """The directory could not be used: counted by its reason, and evidence is down until a capture works."""
+        self.dir_ok = False
+        if isinstance(error, EvidenceRefused):
+            self.note(error.reason, f"evidence directory refused: {error}")
+        else:
+            self.note(REASON_IO, f"{doing}: {error.strerror or error}")
 
     def _new_bundle(self, dir_fd: int, verdict: Any) -> tuple[str, int]:
         """A new, empty bundle directory: the time and kind for people, a random suffix against planted names."""
