@@ -41,7 +41,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "frexporter"
 
 ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     # and the bare package (ROOT); defaults and errors as the layout work adds them
-    ("base", ("frexporter.naming", "frexporter.model", "frexporter.defaults", "frexporter.errors")),
+    ("base", ("frexporter.naming", "frexporter.model", "frexporter.defaults", "frexporter.errors",
+              "frexporter.extras")),
     ("spool", ("frexporter.spool",)),
     ("fr", ("frexporter.fr",)),
     ("sources", ("frexporter.sources",)),

@@ -62,7 +62,11 @@ STALLED = "stalled"
 RANK_DOWN_KIND = "rank_down"
 RANK_UNRESPONSIVE_KIND = "rank_unresponsive"
 STRAGGLER = "straggler"  # a rank consistently late to a PG's collectives (PGState.lateness_seconds)
-KINDS = (MISSING_RANK, MISMATCH_KIND, STALLED, RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND, STRAGGLER)
+# A rank its launcher started on this node that never published (never started, died before install(), its
+# recorder failed) or vanished, while its local peers wait for it in init_process_group or a collective.
+RANK_ABSENT = "rank_absent"
+KINDS = (MISSING_RANK, MISMATCH_KIND, STALLED, RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND, STRAGGLER, RANK_ABSENT)
+STARTING = "starting"  # RankState.state of a rank without a process group yet
 # Post-mortem only (`analyze DIR`, from whole dumps; see ``history``): not hangs, never live verdicts.
 PAST_MISMATCH = "past_mismatch"  # a collective that completed although its ranks disagreed on it
 LAGGING_RANK = "lagging_rank"  # a rank still at a collective its peers saw complete
@@ -479,9 +483,57 @@ def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | Non
                                        config.straggler_min_samples)
     verdicts += [_straggler(s, ctx) for s in find_stragglers(states, conditions, straggler_config)
                  if (s.job_id, s.pg) not in hung]
+    verdicts += find_absent(states.values(), now, config.stuck_after)
     if gpus is not None:
         verdicts = [_with_gpu_facts(v, states, gpus) for v in verdicts]
     return tuple(sorted(verdicts, key=verdict_sort_key))
+
+
+def find_absent(ranks: Iterable[RankState], now: float, stuck_after: float) -> list[Verdict]:
+    """``rank_absent``: per job, the ranks its launcher started on this node (``RankState.node_ranks`` of any
+    rank of it) that have no state here, while a present rank has waited for them ``stuck_after`` or more:
+    in init_process_group (state ``starting``), or in a collective of a PG that counts them among its members.
+    Without such a wait an absent rank is no hang (a rank that exited cleanly is dropped from the view too)."""
+    jobs: dict[str, list[RankState]] = {}
+    for r in ranks:
+        jobs.setdefault(r.job_id, []).append(r)
+    out = []
+    for job_id, members in sorted(jobs.items()):
+        present = {r.rank for r in members}
+        expected = {n for r in members for n in r.node_ranks}
+        absent = tuple(sorted(expected - present))
+        if not absent:
+            continue
+        waits: dict[int, float] = {}  # waiting rank -> since (unix seconds)
+        where: set[str] = set()
+        for r in members:
+            if not r.up:
+                continue
+            if r.state == STARTING and r.start_time > 0 and now - r.start_time >= stuck_after:
+                waits[r.rank] = r.start_time
+                where.add("init_process_group")
+                continue
+            for pg in r.pgs:
+                if pg.last_enqueued <= pg.last_completed or not any(a in pg.ranks for a in absent):
+                    continue
+                oldest = pg.oldest_inflight
+                since = oldest.created if oldest is not None else pg.last_progress
+                if since is not None and now - since >= stuck_after:
+                    waits[r.rank] = min(since, waits.get(r.rank, since))
+                    where.add("a collective")
+        if not waits:
+            continue
+        since = min(waits.values())
+        age = max(0.0, now - since)
+        waiting = tuple(sorted(waits))
+        summary = (f"{text.who(absent)} of this node never published (or vanished): its launcher started "
+                   f"{text.who(sorted(expected), capital=False)} here; {text.waited(waiting, age)} in "
+                   f"{' and '.join(sorted(where))}.")
+        out.append(Verdict(kind=RANK_ABSENT, job_id=job_id, pg="", pg_desc="", ranks=absent, waiting_ranks=waiting,
+                           seq=NO_SEQ, op="", since=since, age_seconds=age, timeout_seconds=None,
+                           budget_used=None, summary=summary,
+                           details={"expected_ranks": sorted(expected), "waiting_in": sorted(where)}))
+    return out
 
 
 def analyze_snapshot(snapshot: NodeSnapshot, config: VerdictConfig | None = None) -> tuple[Verdict, ...]:
