@@ -489,6 +489,32 @@ def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | Non
     return tuple(sorted(verdicts, key=verdict_sort_key))
 
 
+MAX_EXPANDED_WORLD = 1 << 17  # a world size beyond any real job is not expanded into its ranks
+
+
+def find_absent_in_world(ranks: Iterable[RankState]) -> list[Verdict]:
+    """``rank_absent`` for a view that holds every reporting rank of a job (Prometheus): the ranks below the
+    job's world size that report nothing; every reporting rank that is up waits for them (or soon will)."""
+    jobs: dict[str, list[RankState]] = {}
+    for r in ranks:
+        jobs.setdefault(r.job_id, []).append(r)
+    out = []
+    for job_id, members in sorted(jobs.items()):
+        world = max(r.world_size for r in members)
+        if world > MAX_EXPANDED_WORLD:
+            continue
+        present = {r.rank for r in members}
+        absent = tuple(r for r in range(world) if r not in present)
+        if not absent:
+            continue
+        waiting = tuple(sorted(r.rank for r in members if r.up))
+        summary = text.absent_in_world(absent, job_id, len(present), world, waiting)
+        out.append(Verdict(kind=RANK_ABSENT, job_id=job_id, pg="", pg_desc="", ranks=absent, waiting_ranks=waiting,
+                           seq=NO_SEQ, op="", since=None, age_seconds=None, timeout_seconds=None,
+                           budget_used=None, summary=summary, details={"world_size": world}))
+    return out
+
+
 def find_absent(ranks: Iterable[RankState], now: float, stuck_after: float) -> list[Verdict]:
     """``rank_absent``: per job, the ranks its launcher started on this node (``RankState.node_ranks`` of any
     rank of it) that have no state here, while a present rank has waited for them ``stuck_after`` or more:
@@ -526,9 +552,7 @@ def find_absent(ranks: Iterable[RankState], now: float, stuck_after: float) -> l
         since = min(waits.values())
         age = max(0.0, now - since)
         waiting = tuple(sorted(waits))
-        summary = (f"{text.who(absent)} of this node never published (or vanished): its launcher started "
-                   f"{text.who(sorted(expected), capital=False)} here; {text.waited(waiting, age)} in "
-                   f"{' and '.join(sorted(where))}.")
+        summary = text.absent_on_node(absent, expected, waiting, age, where)
         out.append(Verdict(kind=RANK_ABSENT, job_id=job_id, pg="", pg_desc="", ranks=absent, waiting_ranks=waiting,
                            seq=NO_SEQ, op="", since=since, age_seconds=age, timeout_seconds=None,
                            budget_used=None, summary=summary,
