@@ -119,6 +119,7 @@ elif scenario == "early_kill":
     # A crash at step 0: the victim dies JOB_KILL_AFTER seconds after init_process_group, before any tick
     # of a 1 s snapshot interval could have published it.
     if rank == victim:
+        ready("init")  # when init_process_group returned, for benchmarks/startup_death.py
         time.sleep(float(os.environ.get("JOB_KILL_AFTER", "0.5")))
         os.kill(os.getpid(), signal.SIGKILL)
     ready()
