@@ -12,7 +12,7 @@ import pytest
 from frexporter import spool
 from frexporter.analysis.verdicts import RANK_ABSENT, RANK_DOWN_KIND, find_absent
 from frexporter.model import RANK_DOWN, RANK_OK, InflightCollective, PGState, RankState
-from frexporter.recorder.publisher import launcher_facts
+from frexporter.recorder.publisher import Publisher, launcher_facts
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from tests.harness import wait_for
 
@@ -129,6 +129,53 @@ def test_launcher_facts_from_torchrun_and_slurm_environments() -> None:
     bad = launcher_facts({"RANK": "0", "LOCAL_RANK": "zero", "TORCHELASTIC_RUN_ID": "x\udcff"}, count)
     assert bad == {"kind": "torchelastic", "rank": 0} and errors == ["launcher_env", "launcher_env"]
     assert launcher_facts({}, count) == {}
+
+
+# ---------------------------------------------------------------- the recorder before init_process_group
+
+TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+            "TORCHELASTIC_RUN_ID": "run-7"}
+
+
+def test_install_publishes_a_starting_rank_the_exporter_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    for key, value in TORCHRUN.items():
+        monkeypatch.setenv(key, value)
+    spool.ensure_dir(str(tmp_path))
+    publisher = Publisher(str(tmp_path), "j", 1.0)
+    publisher.publish_starting()  # what start() does before its thread runs
+    try:
+        stem = spool.rank_stem("j", 3)
+        manifest = spool.parse_manifest(json.loads((tmp_path / (stem + spool.MANIFEST_SUFFIX)).read_text()))
+        assert (manifest.rank, manifest.state, manifest.world_size, manifest.process_groups) == (
+            3, spool.STATE_STARTING, 8, ())
+        assert manifest.launcher is not None and manifest.launcher.node_ranks() == (2, 3, 4, 5)
+        assert manifest.launcher.run_id == "run-7" and manifest.launcher.kind == "torchelastic"
+        snap = spool.parse_snapshot(spool.read_snapshot_map(str(tmp_path / (stem + spool.SNAPSHOT_MAP_SUFFIX))))
+        assert snap.state == spool.STATE_STARTING and snap.pid == os.getpid()
+        source = RanksSource(RanksConfig(directory=str(tmp_path)))
+        try:
+            (rank,) = source.collect().ranks
+            assert (rank.rank, rank.status, rank.state, rank.node_ranks) == (3, RANK_OK, "starting", (2, 3, 4, 5))
+        finally:
+            source.close()
+    finally:
+        publisher.stop()
+
+
+def test_a_process_inheriting_a_live_ranks_environment_does_not_take_its_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in TORCHRUN.items():
+        monkeypatch.setenv(key, value)
+    spool.ensure_dir(str(tmp_path))
+    path = tmp_path / (spool.rank_stem("j", 3) + spool.MANIFEST_SUFFIX)
+    owner = json.dumps({"format": spool.MANIFEST_FORMAT, "job_id": "j", "rank": 3, "pid": os.getppid()})
+    path.write_text(owner)  # the rank itself, alive: this process is, say, its spawned DataLoader worker
+    publisher = Publisher(str(tmp_path), "j", 1.0)
+    publisher.publish_starting()
+    publisher.stop()
+    assert path.read_text() == owner
+    assert not (tmp_path / (spool.rank_stem("j", 3) + spool.SNAPSHOT_MAP_SUFFIX)).exists()
 
 
 # ---------------------------------------------------------------- the verdict (pure)

@@ -155,13 +155,16 @@ class Publisher:
 
     def _main(self) -> None:
         try:
+            # Until identified, look for the default process group often (a cheap check); the steady state's
+            # loop below is then the same as if this one had never run.
             while True:
                 self.tick()
-                # Until identified, look for the default process group often (a cheap check); then the
-                # steady state's interval, which this loop never shortens again.
-                wait = IDENTIFY_POLL if self._world is None and self._identifying() else self._interval
-                if self._stop.acquire(True, wait):
+                if self._world is not None:
                     break
+                if self._stop.acquire(True, IDENTIFY_POLL if self._identifying() else self._interval):
+                    return
+            while not self._stop.acquire(True, self._interval):
+                self.tick()
         except BaseException as e:  # the thread must say why it died, never vanish silently
             log.exception("frexporter recorder thread died; this rank's state is no longer published")
             if self._stem and self._write_lock.acquire(timeout=1.0):
