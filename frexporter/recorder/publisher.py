@@ -29,7 +29,8 @@ log = logging.getLogger("frexporter.recorder")
 SPOOL_CHECK_EVERY = 5
 # Seconds between checks for the default process group while this rank is not identified yet, so that its
 # full manifest is out within this long of init_process_group (a rank that dies at step 0 is still seen).
-# Each check is a module lookup and is_initialized(), a few microseconds; it stops once identified.
+# Each check is a module lookup and is_initialized(), under a microsecond (benchmarks/startup_death.py);
+# it stops once identified.
 IDENTIFY_POLL = 0.05
 # Launcher environment variables, per launcher, as the manifest's launcher fields (torchrun first).
 LAUNCHER_ENV: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
