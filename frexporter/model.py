@@ -169,6 +169,12 @@ class RankState:
     last_deep_read: float | None = None
     socket: str = ""  # worker-server socket file name in the spool directory ("" when off)
     handlers: tuple[str, ...] = ()  # worker-server handlers this rank's torch offers
+    # "starting": the recorder runs, the rank has no process group yet (blocked in or before
+    # init_process_group); "running": identified by its default process group.
+    state: str = "running"
+    start_time: float = 0.0  # unix seconds the recorder started in this rank
+    # Global ranks its launcher started on this rank's node (this one included); () when it did not say.
+    node_ranks: tuple[int, ...] = ()
 
     @property
     def up(self) -> bool:

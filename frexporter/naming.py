@@ -43,6 +43,9 @@ RANK_INFO = PREFIX + "rank_info"
 RANK_UP = PREFIX + "rank_up"
 RANK_HEARTBEAT_TIMESTAMP_SECONDS = PREFIX + "rank_heartbeat_timestamp_seconds"
 RANK_RECORDER_ERRORS_TOTAL = PREFIX + "rank_recorder_errors_total"
+# Per job and node: the world size its local ranks state, so that rules can count the ranks reporting
+# (frexporter_rank_info, over every node) against the ranks expected (FrexporterRankAbsent).
+JOB_WORLD_SIZE = PREFIX + "job_world_size"
 
 # Process groups. The seqs, in-flight and progress series are per rank; a PG's static facts (info,
 # timeout) are the same on every rank, so they are exported once per node, without `rank`: per rank they
@@ -71,6 +74,7 @@ VERDICT = PREFIX + "verdict"
 
 # Label sets, so that adapters and tests agree on order.
 RANK_LABELS = (L_JOB_ID, L_RANK)
+JOB_LABELS = (L_JOB_ID,)
 PG_LABELS = (L_JOB_ID, L_RANK, L_PG, L_PG_DESC)
 RANK_INFO_LABELS = (
     L_JOB_ID,

@@ -92,8 +92,9 @@ class Job:
     """World-size processes running tests/workers/job.py SCENARIO with the recorder installed."""
 
     def __init__(self, tmp: Path, scenario: str, world: int, job_id: str = "job",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, launcher_env: bool = False) -> None:
         self.scenario = scenario
+        self.launcher_env = launcher_env
         self.world = world
         self.job_id = job_id
         self.spool = tmp / "spool"
@@ -118,10 +119,16 @@ class Job:
         for rank in range(self.world):
             log = self.control / f"rank{rank}.log"
             self.logs.append(log)
+            rank_env = env
+            if self.launcher_env:
+                # What torchrun sets for its workers: one node of world ranks, this rank's place on it.
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world),
+                            "LOCAL_WORLD_SIZE": str(self.world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": self.job_id}
             with open(log, "wb") as out:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, str(WORKER), self.scenario, str(rank), str(self.world), str(port),
-                     str(self.control)], env=env, stdout=out, stderr=subprocess.STDOUT))
+                     str(self.control)], env=rank_env, stdout=out, stderr=subprocess.STDOUT))
         return self
 
     def marker(self, rank: int, tag: str = "ready") -> Path:

@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 
 from tests.harness import Job, wait_for
-from tests.promstack import SCALE, Notification, PromStack
+from tests.promstack import INTERVAL_S, SCALE, Notification, PromStack
 from tests.rulefile import load_rules, parse_duration
 
 pytestmark = pytest.mark.e2e
 
 DESYNC = "FrexporterCollectiveDesync"
 RANK_DOWN = "FrexporterRankDown"
+RANK_ABSENT = "FrexporterRankAbsent"
 JOB_TIMEOUT_S = 60.0  # gloo's own timeout in the desync job: the page must come well before it
 POLL_S = 0.2
 
@@ -165,3 +166,37 @@ def test_sigkilled_rank_pages_rank_down(
     hold_for = parse_duration(next(r for g in load_rules(SCALE)["groups"] for r in g["rules"]
                                    if r.get("alert") == RANK_DOWN)["for"])
     _report(capsys, f"{RANK_DOWN} rank 1: webhook {latency:.2f}s after SIGKILL (for {hold_for:g}s)")
+
+
+def test_rank_failing_before_init_pages_rank_absent(
+    promstack: PromStack, job_factory: Callable[..., Job], exporter_factory: Callable[..., Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # torchrun-like, 3 ranks: rank 1 crashes before install(); ranks 0 and 2 wait in init_process_group.
+    job_id = "e2e-absent"
+    job = job_factory("pre_init_fail", 3, job_id=job_id, launcher_env=True)
+    try:
+        threshold, _ = _desync_timing()
+        since = time.time()
+        exporter_factory(job.spool, port=promstack.exporter_port, stuck_after=threshold)
+        promstack.wait_target_up(since)
+
+        def two_reporting() -> bool:
+            return len(promstack.query(f'frexporter_rank_info{{job_id="{job_id}"}}')) == 2
+
+        wait_for(two_reporting, timeout=30, interval=POLL_S, what=f"Prometheus sees ranks 0 and 2 of {job_id}")
+        seen_at = time.time()
+        hold_for = parse_duration(next(r for g in load_rules(SCALE)["groups"] for r in g["rules"]
+                                       if r.get("alert") == RANK_ABSENT)["for"])
+        firing = wait_for(lambda: _firing(promstack, RANK_ABSENT, job_id), timeout=hold_for + 60, interval=0.1,
+                          what=f"{RANK_ABSENT} for {job_id} at the webhook")
+        latency = firing[0].received - seen_at
+        assert latency >= hold_for - 2 * INTERVAL_S, latency  # not before its "for"
+        assert firing[0].labels["severity"] == "warning"
+        assert firing[0].annotations["summary"].startswith("1 rank(s) of job e2e-absent"), firing[0].annotations
+        _report(capsys, f"{RANK_ABSENT}: webhook {latency:.2f}s after Prometheus saw 2 of 3 ranks (for {hold_for:g}s)")
+    finally:
+        for proc in job.procs:  # blocked in init_process_group: the stop file is never read
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

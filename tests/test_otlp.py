@@ -134,6 +134,7 @@ EXPECTED_NAMES = {
     n.SOURCE_LAST_SUCCESS_TIMESTAMP_SECONDS: ("frexporter.source.last_success_timestamp", "s", "gauge"),
     n.RANK_INFO: ("frexporter.rank.info", "", "gauge"),
     n.RANK_UP: ("frexporter.rank.up", "", "gauge"),
+    n.JOB_WORLD_SIZE: ("frexporter.job.world_size", "", "gauge"),
     n.RANK_HEARTBEAT_TIMESTAMP_SECONDS: ("frexporter.rank.heartbeat_timestamp", "s", "gauge"),
     n.RANK_RECORDER_ERRORS_TOTAL: ("frexporter.rank.recorder_errors", "{error}", "counter"),
     n.PG_INFO: ("frexporter.pg.info", "", "gauge"),

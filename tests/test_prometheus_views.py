@@ -24,9 +24,9 @@ from unittest import mock
 import pytest
 
 from frexporter import naming as n
-from frexporter.analysis.verdicts import MISSING_RANK, VerdictConfig, evaluate
+from frexporter.analysis.verdicts import MISSING_RANK, RANK_ABSENT, VerdictConfig, evaluate
 from frexporter.model import RANK_OK, RANK_UNRESPONSIVE
-from frexporter.postmortem import prometheus
+from frexporter.postmortem import prometheus, report
 from tests.harness import REPO, Job, require_module, wait_for
 from tests.promstack import SCALE, PromStack
 from tests.rulefile import load_rules
@@ -324,3 +324,17 @@ def test_heartbeat_staleness_is_judged_at_the_scrape() -> None:
     ]
     status = {r.rank: r.status for r in _states(samples)}
     assert status == {0: RANK_OK, 1: RANK_UNRESPONSIVE}
+
+
+def test_analyze_prometheus_names_the_absent_ranks() -> None:
+    # A world of 4: ranks 0 and 1 report and wait in collective 8; ranks 2 and 3 never reported anything.
+    samples = [*_rank_series(0, 8, 7, world=4, oldest=NOW - 100), *_rank_series(1, 8, 7, world=4, oldest=NOW - 100)]
+    with mock.patch.object(prometheus, "query", FakePrometheus(samples)), mock.patch("time.time", return_value=NOW):
+        found = report.from_prometheus("http://prometheus", "j", stuck_after=30)
+    absent = [v for v in found.verdicts if v.kind == RANK_ABSENT]
+    assert [(v.ranks, v.waiting_ranks) for v in absent] == [((2, 3), (0, 1))], found.verdicts
+    assert "rank_absent: job j, culprit rank(s) 2,3" in report.render_text(found)
+    # All of the world reporting: nothing absent.
+    full = [*samples, *_rank_series(2, 8, 8, world=4), *_rank_series(3, 8, 8, world=4)]
+    with mock.patch.object(prometheus, "query", FakePrometheus(full)):
+        assert not [v for v in report.from_prometheus("http://prometheus", "j", 30).verdicts if v.kind == RANK_ABSENT]

@@ -100,3 +100,18 @@ def budget(age: float | None, timeout: float | None) -> str:
 def also_blocking(pgs: Iterable[tuple[str, str]]) -> str:
     listed = [pg_text(name, desc) for name, desc in pgs]
     return f" (also blocking {', '.join(listed)})" if listed else ""
+
+
+def absent_on_node(absent: Iterable[int], expected: Iterable[int], waiting: Iterable[int], age: float,
+                   where: Iterable[str]) -> str:
+    """rank_absent on a node: 'Rank 1 of this node never published (or vanished): ...'."""
+    return (f"{who(absent)} of this node never published (or vanished): its launcher started "
+            f"{who(expected, capital=False)} here; {waited(waiting, age)} in {' and '.join(sorted(where))}.")
+
+
+def absent_in_world(absent: Iterable[int], job_id: str, reporting: int, world: int, waiting: Iterable[int]) -> str:
+    """rank_absent over a whole job (Prometheus): 'Ranks 2,3 of job j report nothing: ...'."""
+    absent, waiting = sorted(set(absent)), sorted(set(waiting))
+    waiters = f"{who(waiting, capital=False)} {agree(waiting, 'waits', 'wait')}" if waiting else "no rank waits"
+    return (f"{who(absent)} of job {job_id} {agree(absent, 'reports', 'report')} nothing: {reporting} of its "
+            f"{world} ranks report; {waiters} for the rest.")

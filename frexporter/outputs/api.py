@@ -83,6 +83,11 @@ def _rank_json(r: RankState, pgs: tuple[PGState, ...], now: float) -> dict[str, 
         "gpu_uuid": r.gpu_uuid,
         "up": r.up,
         "status": r.status,
+        # "starting": blocked in (or before) init_process_group for starting_seconds; "running" once it has a PG.
+        "state": r.state,
+        "starting_seconds": round(max(0.0, now - r.start_time), 3) if r.state == "starting" and r.start_time
+        else None,
+        "node_ranks": list(r.node_ranks[:MAX_LISTED_ITEMS]),
         "heartbeat": r.heartbeat,
         "heartbeat_age_seconds": None if r.heartbeat_age is None else round(r.heartbeat_age, 3),
         "socket_alive": r.socket_alive,

@@ -89,8 +89,13 @@ class SnapshotCollector(Collector):
         rec_errors = CounterMetricFamily(n.RANK_RECORDER_ERRORS_TOTAL,
                                          "Errors the in-rank recorder met, by reason.",
                                          labels=[*n.RANK_LABELS, n.L_REASON])
+        world = GaugeMetricFamily(n.JOB_WORLD_SIZE, "Ranks in the job, as its ranks on this node state it (the "
+                                  "largest); absent before any of them knows.", labels=list(n.JOB_LABELS))
+        worlds: dict[str, int] = {}
         for r in snap.ranks:
             key = [r.job_id, str(r.rank)]
+            if r.world_size > 0:
+                worlds[r.job_id] = max(worlds.get(r.job_id, 0), r.world_size)
             info.add_metric([r.job_id, str(r.rank), str(r.local_rank), str(r.world_size), r.hostname,
                              str(r.pid), r.torch_version, r.gpu_uuid], 1)
             up.add_metric(key, 1 if r.up else 0)
@@ -98,7 +103,9 @@ class SnapshotCollector(Collector):
                 heartbeat.add_metric(key, r.heartbeat)
             for reason, count in sorted(r.recorder_errors.items()):
                 rec_errors.add_metric([*key, reason], count)
-        yield from (info, up, heartbeat, rec_errors)
+        for job_id, size in sorted(worlds.items()):
+            world.add_metric([job_id], size)
+        yield from (info, up, heartbeat, rec_errors, world)
 
     @staticmethod
     def _pgs(snap: NodeSnapshot) -> Iterator[Metric]:

@@ -13,10 +13,12 @@ from frexporter.analysis import history
 from frexporter.analysis.verdicts import (
     LAGGING_RANK,
     PAST_MISMATCH,
+    RANK_ABSENT,
     Verdict,
     VerdictConfig,
     budget_left,
     evaluate,
+    find_absent_in_world,
     lagging_verdict,
     past_mismatch_verdict,
 )
@@ -77,7 +79,10 @@ def from_prometheus(url: str, job_id: str | None, stuck_after: float) -> Report:
     now = time.time()
     ranks = prometheus.rank_states(url, job_id, now)
     verdicts = evaluate(ranks, now, VerdictConfig(stuck_after=stuck_after, complete_view=True))
-    return Report(source=url, ranks=ranks, verdicts=verdicts)
+    # Every node's ranks are in the view: a rank below the world size without any series is absent.
+    absent = tuple(v for v in find_absent_in_world(ranks) if not any(
+        h.kind == RANK_ABSENT and h.job_id == v.job_id for h in verdicts))
+    return Report(source=url, ranks=ranks, verdicts=(*verdicts, *absent))
 
 
 def _count(count: int, singular: str, plural: str) -> str:
@@ -108,8 +113,8 @@ def render_text(report: Report) -> str:
         left = budget_left(v)
         budget = f", {left:.0f}s of the {v.timeout_seconds:.0f}s watchdog budget left" if (
             left is not None and v.timeout_seconds) else ""
-        lines.append(f"{v.kind}: job {v.job_id}, PG {v.pg} ({v.pg_desc}), {v.op or 'collective'} #{v.seq}, "
-                     f"culprit rank(s) {','.join(map(str, v.ranks))}{budget}")
+        where = f"PG {v.pg} ({v.pg_desc}), {v.op or 'collective'} #{v.seq}, " if v.pg else ""
+        lines.append(f"{v.kind}: job {v.job_id}, {where}culprit rank(s) {','.join(map(str, v.ranks))}{budget}")
         lines.append(f"  {v.summary}")
     if past:
         lines.append(f"{_count(len(past), 'past mismatch', 'past mismatches')} "

@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from frexporter import spool
@@ -27,6 +27,21 @@ log = logging.getLogger("frexporter.recorder")
 # Snapshots between checks that this rank's files are still there: updates of the mapped snapshot go on
 # into a removed file without an error, and another rank may have recreated the directory meanwhile.
 SPOOL_CHECK_EVERY = 5
+# Seconds between checks for the default process group while this rank is not identified yet, so that its
+# full manifest is out within this long of init_process_group (a rank that dies at step 0 is still seen).
+# Each check is a module lookup and is_initialized(), under a microsecond (benchmarks/startup_death.py);
+# it stops once identified.
+IDENTIFY_POLL = 0.05
+# Launcher environment variables, per launcher, as the manifest's launcher fields (torchrun first).
+LAUNCHER_ENV: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("torchelastic", (("rank", "RANK"), ("local_rank", "LOCAL_RANK"), ("world_size", "WORLD_SIZE"),
+                      ("local_world_size", "LOCAL_WORLD_SIZE"), ("node_rank", "GROUP_RANK"),
+                      ("run_id", "TORCHELASTIC_RUN_ID"))),
+    ("slurm", (("rank", "SLURM_PROCID"), ("local_rank", "SLURM_LOCALID"), ("world_size", "SLURM_NTASKS"),
+               ("local_world_size", "SLURM_NTASKS_PER_NODE"), ("node_rank", "SLURM_NODEID"),
+               ("run_id", "SLURM_JOB_ID"))),
+)
+_LAUNCHER_TEXT_FIELDS = ("run_id",)
 
 
 class Publisher:
@@ -57,11 +72,47 @@ class Publisher:
         self._pid = os.getpid()
         self._write_lock = threading.Lock()
         self.start_time = time.time()
+        self._launcher: dict[str, Any] = {}
+        self._starting = False  # a starting manifest is out: this rank is known before its process group
+        self._last_starting = 0.0
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        self.publish_starting()
         self._thread.start()
+
+    def publish_starting(self) -> None:
+        """Before any process group: publish what the launcher says this rank is (state ``starting``), so that
+        a rank that dies in or before init_process_group, or waits there for a missing peer, is seen."""
+        try:
+            self._launcher = launcher_facts(os.environ, self._count_error)
+            rank = self._launcher.get("rank")
+            dist = sys.modules.get("torch.distributed")
+            initialized = getattr(dist, "is_initialized", None)
+            if rank is None or (initialized is not None and dist.is_available() and initialized()):
+                return  # nothing to name the rank by, or install() came late: the first tick identifies it
+            job_id = self.job_id_hint or default_job_id()
+            stem = spool.rank_stem(job_id, rank)
+            if _held_by_other(os.path.join(self.directory, stem + spool.MANIFEST_SUFFIX)):
+                return  # a child of the rank (a spawned worker) inherits its environment, not its identity
+            self._stem = stem
+            self._map = spool.SnapshotMap(self._path(spool.SNAPSHOT_MAP_SUFFIX))
+            self._manifest = {
+                "format": spool.MANIFEST_FORMAT, "job_id": job_id, "rank": rank,
+                "local_rank": self._launcher.get("local_rank", _env_int("LOCAL_RANK", -1)),
+                "world_size": self._launcher.get("world_size", 0), "pid": self._pid,
+                "hostname": socket.gethostname(), "start_time": self.start_time, "backends": [],
+                "socket": "", "handlers": [], "recorders": [], "process_groups": [],
+                "state": spool.STATE_STARTING, "launcher": self._launcher,
+            }
+            spool.write_json_atomic(self._path(spool.MANIFEST_SUFFIX), self._manifest)
+            with self._write_lock:
+                self._write_snapshot((), state=spool.STATE_STARTING)
+            self._last_starting = time.monotonic()
+            self._starting = True
+        except Exception as e:
+            self._count_error("starting_manifest", e)
 
     def stop(self, state: str = "exiting") -> None:
         """Called at interpreter exit: tell the exporter this was a clean exit, not a crash."""
@@ -105,10 +156,16 @@ class Publisher:
 
     def _main(self) -> None:
         try:
+            # Until identified, look for the default process group often (a cheap check); the steady state's
+            # loop below is then the same as if this one had never run.
             while True:
                 self.tick()
-                if self._stop.acquire(True, self._interval):
+                if self._world is not None:
                     break
+                if self._stop.acquire(True, IDENTIFY_POLL if self._identifying() else self._interval):
+                    return
+            while not self._stop.acquire(True, self._interval):
+                self.tick()
         except BaseException as e:  # the thread must say why it died, never vanish silently
             log.exception("frexporter recorder thread died; this rank's state is no longer published")
             if self._stem and self._write_lock.acquire(timeout=1.0):
@@ -143,6 +200,10 @@ class Publisher:
             # getattr: the module may be mid-import on the main thread.
             initialized = getattr(dist, "is_initialized", None)
             if initialized is None or not dist.is_available() or not initialized():
+                if self._starting and time.monotonic() - self._last_starting >= self._interval:
+                    self._last_starting = time.monotonic()
+                    with self._write_lock:  # the heartbeat of a rank still in (or before) init_process_group
+                        self._write_snapshot((), state=spool.STATE_STARTING)
                 return
             self._identify(dist)
         # From here on the PG table's size stands in for is_initialized(), one lookup instead of four:
@@ -231,11 +292,23 @@ class Publisher:
 
     # ------------------------------------------------------------ pieces
 
+    def _identifying(self) -> bool:
+        """Poll fast for the process group: this rank said it is starting, or has torch.distributed loaded."""
+        return self._starting or "torch.distributed" in sys.modules
+
     def _identify(self, dist: Any) -> None:
         rank = dist.get_rank()
         job_id = self.job_id_hint or default_job_id()
-        self._stem = spool.rank_stem(job_id, rank)
-        self._map = spool.SnapshotMap(self._path(spool.SNAPSHOT_MAP_SUFFIX))
+        stem = spool.rank_stem(job_id, rank)
+        if stem != self._stem:
+            if self._stem:  # the launcher's rank was not the process group's: its starting files are wrong
+                self._map.close()
+                for suffix in (spool.MANIFEST_SUFFIX, spool.SNAPSHOT_MAP_SUFFIX):
+                    with contextlib.suppress(OSError):
+                        os.unlink(self._path(suffix))
+            self._stem = stem
+            self._map = spool.SnapshotMap(self._path(spool.SNAPSHOT_MAP_SUFFIX))
+        self._starting = False
         self._status = fr.StatusReader(fr.available_recorders())
         sock_name = ""
         try:
@@ -262,7 +335,10 @@ class Publisher:
             "handlers": list(fr.handler_names()),
             "recorders": list(self._status.recorders),
             "fr_buffer_size": fr.buffer_size(),
+            "state": spool.STATE_RUNNING,
         }
+        if self._launcher:
+            self._manifest["launcher"] = self._launcher
         self._world = fr.world()  # last: set means identified
         self._pg_names = self._world.pg_names
 
@@ -322,6 +398,53 @@ def default_job_id() -> str:
         if value and value != "none":
             return value
     return "default"
+
+
+def launcher_facts(environ: Mapping[str, str], count_error: Callable[[str, BaseException], None]) -> dict[str, Any]:
+    """The first launcher whose rank variable is set, as the manifest's ``launcher`` fields; a variable that
+    does not parse (not an integer, not UTF-8, too long) is dropped and counted, never raised."""
+    for kind, fields in LAUNCHER_ENV:
+        if fields[0][1] not in environ:
+            continue
+        out: dict[str, Any] = {"kind": kind}
+        for key, var in fields:
+            raw = environ.get(var)
+            if raw is None:
+                continue
+            try:
+                if len(raw) > spool.MAX_TEXT_CHARS:
+                    raise ValueError(f"{var} is {len(raw)} characters long")
+                raw.encode("utf-8")  # undecodable bytes arrive as lone surrogates
+                if key in _LAUNCHER_TEXT_FIELDS:
+                    out[key] = raw
+                else:
+                    # SLURM_NTASKS_PER_NODE may read "4(x2)": 4 tasks on each of 2 nodes.
+                    value = int(raw.split("(", 1)[0])
+                    if not 0 <= value <= spool.MAX_RANK:
+                        raise ValueError(f"{var} is out of range")
+                    out[key] = value
+            except (ValueError, UnicodeEncodeError) as e:
+                count_error("launcher_env", e)
+        return out
+    return {}
+
+
+def _held_by_other(manifest_path: str) -> bool:
+    """The manifest names a live process other than this one."""
+    try:
+        with open(manifest_path, "rb") as f:
+            pid = json.loads(f.read(spool.MAX_MANIFEST_BYTES)).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # alive, another user's
+    return True
 
 
 def _env_int(name: str, default: int) -> int:

@@ -355,6 +355,9 @@ class RanksSource:
                 self._report(name, sig, e)
                 continue
             self._bad_files.pop(name, None)
+            for reason, message in manifest.launcher_problems:  # dropped fields; the rest of the rank stands
+                self.errors.append((reason, message))
+                self._throttle.warning(reason, "%s (reason=%s)", message, reason)
             if track is None or track.manifest.pid != manifest.pid or track.manifest.start_time != manifest.start_time:
                 if track is not None:
                     self._throttle.log(logging.INFO, "restarted", "rank %d of job %s restarted (pid %d -> %d); "
@@ -695,6 +698,9 @@ class RanksSource:
             last_deep_read=track.deep_time,
             socket=m.socket,
             handlers=m.handlers,
+            state=m.state,
+            start_time=m.start_time,
+            node_ranks=m.launcher.node_ranks() if m.launcher is not None else (),
         )
 
     def _pg_states(self, track: _RankTrack, raw: dict[str, dict[int, RawPGStatus]], now: float, mono: float

@@ -16,6 +16,7 @@ from frexporter.spool.limits import (
     LIMIT_TEXT,
     MAX_ERROR_KIND_CHARS,
     MAX_ERROR_KINDS,
+    MAX_LAUNCHER_FIELDS,
     MAX_MANIFEST_MEMBERS,
     MAX_MESSAGE_CHARS,
     MAX_NAMES,
@@ -42,6 +43,96 @@ class PGEntry:
     timeout_seconds: float | None = None
 
 
+# A rank's life as its manifest states it: "starting" (install() ran, no process group yet: the rank is
+# identified by its launcher's facts only) or "running" (identified by its default process group).
+STATE_STARTING = "starting"
+STATE_RUNNING = "running"
+MANIFEST_STATES = (STATE_STARTING, STATE_RUNNING)
+# A launcher field dropped from a manifest (missing fields are not errors), counted by reason.
+LAUNCHER_INVALID = "launcher_invalid"
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What the launcher (torchrun/torchelastic, SLURM) told a rank; -1 or "" where it said nothing usable."""
+
+    rank: int = -1
+    local_rank: int = -1
+    world_size: int = -1
+    local_world_size: int = -1
+    node_rank: int = -1  # torchrun's GROUP_RANK, SLURM's SLURM_NODEID
+    run_id: str = ""  # TORCHELASTIC_RUN_ID or SLURM_JOB_ID
+    kind: str = ""  # "torchelastic", "slurm"
+
+    def node_ranks(self) -> tuple[int, ...]:
+        """The global ranks the launcher started on this rank's node, () when it did not say enough.
+
+        torchrun and SLURM's block distribution number a node's ranks contiguously, so a rank's node holds
+        ``rank - local_rank`` up to ``local_world_size`` ranks on; with no rank, ``node_rank`` stands in."""
+        if self.local_world_size <= 0:
+            return ()
+        if self.rank >= 0 and 0 <= self.local_rank < self.local_world_size:
+            base = self.rank - self.local_rank
+        elif self.node_rank >= 0:
+            base = self.node_rank * self.local_world_size
+        else:
+            return ()
+        top = base + self.local_world_size
+        if self.world_size > 0:
+            top = min(top, self.world_size)
+        return tuple(range(base, top))
+
+
+_LAUNCHER_INTS = ("rank", "local_rank", "world_size", "local_world_size", "node_rank")
+_LAUNCHER_TEXTS = ("run_id", "kind")
+
+
+def parse_launcher(raw: Any, what: str) -> tuple[Launcher | None, tuple[tuple[str, str], ...]]:
+    """A manifest's ``launcher`` map, leniently: each bad field is dropped and reported as (reason, message),
+    never failing the manifest (a launcher's facts must not cost a rank its other metrics)."""
+    if raw is None:
+        return None, ()
+    if not isinstance(raw, dict):
+        return None, ((LAUNCHER_INVALID, f"{what}: launcher is not an object; dropped"),)
+    if len(raw) > MAX_LAUNCHER_FIELDS:
+        return None, ((LIMIT_ITEMS, f"{what}: launcher has {len(raw)} fields, over the bound of "
+                                    f"{MAX_LAUNCHER_FIELDS}; dropped"),)
+    problems: list[tuple[str, str]] = []
+    values: dict[str, Any] = {}
+    for key in _LAUNCHER_INTS:
+        if key not in raw:
+            continue
+        value = raw[key]
+        if type(value) is not int or not 0 <= value <= MAX_RANK:
+            problems.append((LAUNCHER_INVALID, f"{what}: launcher.{key} is not an integer from 0 to {MAX_RANK}; "
+                                               "dropped"))
+            continue
+        values[key] = value
+    for key in _LAUNCHER_TEXTS:
+        if key not in raw:
+            continue
+        value = raw[key]
+        if not isinstance(value, str):
+            problems.append((LAUNCHER_INVALID, f"{what}: launcher.{key} is not a string; dropped"))
+        elif len(value) > MAX_TEXT_CHARS:
+            problems.append((LIMIT_TEXT, f"{what}: launcher.{key} is {len(value)} characters long, over the "
+                                         f"bound of {MAX_TEXT_CHARS}; dropped"))
+        elif not _utf8(value):
+            problems.append((LAUNCHER_INVALID, f"{what}: launcher.{key} is not UTF-8; dropped"))
+        else:
+            values[key] = value
+    return Launcher(**values), tuple(problems)
+
+
+def _utf8(value: str) -> bool:
+    """False for text with lone surrogates: how JSON carries bytes that were not UTF-8 (an environment's)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Manifest:
     job_id: str
@@ -60,6 +151,10 @@ class Manifest:
     fr_buffer_size: int
     process_groups: tuple[PGEntry, ...]
     generation: int
+    # Optional since the launcher facts (older recorders write neither): older manifests read as running.
+    state: str = STATE_RUNNING
+    launcher: Launcher | None = None
+    launcher_problems: tuple[tuple[str, str], ...] = ()  # (reason, message) per launcher field dropped
 
 
 @dataclass(frozen=True)
@@ -209,6 +304,10 @@ def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
     rank = f.int("rank")
     if rank < 0:
         raise SpoolError("invalid", f"{what}: rank must be >= 0")
+    state = f.str("state", STATE_RUNNING)
+    if state not in MANIFEST_STATES:
+        raise SpoolError("invalid", f"{what}: state {state[:32]!r} is not one of {', '.join(MANIFEST_STATES)}")
+    launcher, launcher_problems = parse_launcher(obj.get("launcher"), what)
     return Manifest(
         job_id=f.str("job_id"),
         rank=rank,
@@ -226,6 +325,9 @@ def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
         fr_buffer_size=f.int("fr_buffer_size", 0),
         process_groups=tuple(pgs),
         generation=f.int("generation", 0),
+        state=state,
+        launcher=launcher,
+        launcher_problems=launcher_problems,
     )
 
 

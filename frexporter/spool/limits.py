@@ -19,6 +19,7 @@ MAX_NAMES = 64  # handlers, recorders, backends of a manifest; recorders in a PG
 MAX_RECORDERS = 8  # recorders in one snapshot (torch keeps two: fr and nccl)
 MAX_ERROR_KINDS = 64  # entries of a snapshot's recorder error map
 MAX_ERROR_KIND_CHARS = 64  # an error kind is a label value
+MAX_LAUNCHER_FIELDS = 16  # entries of a manifest's launcher map; the recorder writes 8
 MAX_MESSAGE_CHARS = 500  # a snapshot's human message: cut there (text for people, identifies nothing)
 # For stack sampling, which no file holds yet: frames kept per stack, and characters per frame string
 # (function, file name); a stack past them is to be cut, and say so.

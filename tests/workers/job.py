@@ -16,6 +16,10 @@ from datetime import timedelta
 
 scenario, rank, world, port, control = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 
+victim = int(os.environ.get("JOB_VICTIM", "1"))
+if scenario == "pre_init_fail" and rank == victim:
+    sys.exit(3)  # a crash before install() and init_process_group: this rank never publishes anything
+
 if os.environ.get("JOB_INSTALL", "1") == "1":
     from frexporter.recorder import install
 
@@ -110,6 +114,15 @@ elif scenario == "kill":
         while not os.path.exists(os.path.join(control, "kill")):
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGKILL)
+    idle()
+elif scenario == "early_kill":
+    # A crash at step 0: the victim dies JOB_KILL_AFTER seconds after init_process_group, before any tick
+    # of a 1 s snapshot interval could have published it.
+    if rank == victim:
+        ready("init")  # when init_process_group returned, for benchmarks/startup_death.py
+        time.sleep(float(os.environ.get("JOB_KILL_AFTER", "0.5")))
+        os.kill(os.getpid(), signal.SIGKILL)
+    ready()
     idle()
 elif scenario == "pair_skip":
     # The demo's cascade. Each step: compute, all_reduce on WORLD, then on this rank's pair PG ({0,1} or
