@@ -94,6 +94,8 @@ def _rank_json(r: RankState, pgs: tuple[PGState, ...], now: float) -> dict[str, 
         "last_deep_read": r.last_deep_read,  # when the exporter last read this rank's FR entries over its socket
         "recorder_errors": dict(list(r.recorder_errors.items())[:MAX_LISTED_ITEMS]),
         "message": r.message,
+        # What its training thread is doing: state, sampled frames (innermost first), CPU %, since when.
+        "activity": r.activity.to_json(),
         "process_groups": [_pg_json(pg, now) for pg in pgs],
         "process_groups_total": len(r.pgs),
     }
