@@ -172,4 +172,7 @@ def test_culprit_activity_busy_or_idle(job_factory, exporter_factory, mode: str,
     assert function in [f["function"] for f in ranks[1]["activity"]["frames"]]
     # The waiting rank is in the collective: its innermost frame is torch.distributed's.
     assert ranks[0]["activity"]["state"] == "in_collective"
+    parsed = metrics(exp.get("/metrics"))
+    assert sample(parsed, n.VERDICT, rank="1", kind="missing_rank", culprit_state=state,
+                  culprit_function=function) == 1
     job.touch("stop")
