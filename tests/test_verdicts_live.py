@@ -109,6 +109,7 @@ def test_demo_finds_the_culprit_and_cleans_up() -> None:
         stdout, stderr = demo.communicate(timeout=90)
         assert demo.returncode == 0, stdout + stderr
         assert "VERDICT" in stdout and "culprit rank(s) 3" in stdout and "done: culprit found" in stdout
+        assert "culprit activity: rank 3 " in stdout  # what the culprit is doing, from its sampled stack
         leftovers = {p for p in set(os.listdir(tempfile.gettempdir())) - before if p.startswith("frexporter-demo")}
         assert leftovers == set()
         assert not _group_alive(demo.pid), "a process of the demo outlived it"
