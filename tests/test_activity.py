@@ -91,3 +91,27 @@ def test_bad_stack_and_cpu_are_dropped_and_counted_not_fatal() -> None:
         assert snap.stack == () and snap.pid == 7 and snap.counter == 1  # the rest of the snapshot stands
     nan = spool.parse_snapshot(json.loads(json.dumps(_snapshot()).replace('"pid"', '"cpu": NaN, "pid"')))
     assert nan.cpu is None and [r for r, _ in nan.problems] == [spool.SNAPSHOT_FIELD_INVALID]
+
+
+def test_recorder_stack_sample_is_bounded_and_parses() -> None:
+    """The recorder's own sampler, on this thread's real stack: deep recursion, a long and a non-UTF-8 file name
+    and a '%' in a name all come out as a stack the exporter accepts, cut to its bounds."""
+    import threading
+
+    from frexporter.recorder.publisher import stack_sampler
+
+    errors: list[str] = []
+    sample = stack_sampler(threading.get_ident(), lambda reason, e: errors.append(reason))
+    odd = "/" + "d" * 2000 + "/caf\udce9%s.py"
+    namespace: dict[str, object] = {}
+    exec(compile("def deep_100pct(n, f):\n    return deep_100pct(n - 1, f) if n else f()\n", odd, "exec"),
+         namespace)
+    out = namespace["deep_100pct"](3 * spool.MAX_STACK_FRAMES, sample)  # type: ignore[operator]
+    assert errors == []
+    text = json.dumps(_snapshot()).replace('"pid"', f'"stack": [{out.decode()}], "pid"')  # as the recorder splices it
+    snap = spool.parse_snapshot(json.loads(text))
+    assert snap.problems == ()
+    assert len(snap.stack) == spool.MAX_STACK_FRAMES
+    function, path, line = snap.stack[1]  # [0] is the sampler's own frame, here on the sampled thread
+    assert function == "deep_100pct" and line == 2
+    assert path.endswith("/caf\\udce9%s.py") and len(path) == spool.MAX_FRAME_TEXT_CHARS

@@ -414,9 +414,12 @@ def stack_sampler(thread_id: int | None, count_error: Callable[[str, BaseExcepti
     cache: dict[int, tuple[Any, bytes]] = {}
     broken = False
 
+    def utf8(text: str) -> str:  # a file name that was not UTF-8 holds lone surrogates: the exporter refuses those
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
     def encode(code: Any) -> bytes:
-        name = getattr(code, "co_qualname", code.co_name)[:chars]
-        path = code.co_filename[-chars:]  # the tail names the file; the head is the install prefix
+        name = utf8(getattr(code, "co_qualname", code.co_name))[:chars]
+        path = utf8(code.co_filename)[-chars:]  # the tail names the file; the head is the install prefix
         return json.dumps([name, path]).encode()[:-1].replace(b"%", b"%%") + b",%d]"
 
     def sample() -> bytes:
