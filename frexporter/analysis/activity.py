@@ -32,6 +32,8 @@ def where(activity: Activity) -> str:
     if frame is None:
         return ""
     function, path, line = frame
+    if not path:  # from a metric label: the function alone
+        return function
     return f"{function} ({path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line})"
 
 
