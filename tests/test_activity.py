@@ -51,7 +51,9 @@ def test_describe_lines() -> None:
     idle = Activity(state="idle", frames=(STDLIB, ("wait_for_data", "/job/data.py", 40)), cpu_percent=1.0,
                     since=90.0)
     assert describe(2, idle, 100.0).startswith("rank 2 has been idle in wait_for_data (data.py:40)")
-    assert "cannot sample itself" in describe(1, Activity(state="wedged", frames=(USER,)), 100.0)
+    wedged = describe(1, Activity(state="wedged", frames=(USER,)), 100.0)
+    assert "cannot sample itself (its last sample was in save_checkpoint (train.py:142))" in wedged
+    assert "--evidence-stacks" in wedged
     assert describe(1, Activity(), 100.0) == ""
 
 

@@ -45,7 +45,7 @@ def describe(rank: int, activity: Activity, now: float) -> str:
     if activity.state == ACTIVITY_WEDGED:
         last = f" (its last sample was in {at})" if at else ""
         return (f"rank {rank} is wedged: its Python cannot run (the GIL held in native code), so it cannot "
-                f"sample itself{last}")
+                f"sample itself{last}; with --evidence-stacks the evidence bundle holds its py-spy stack")
     if activity.state == ACTIVITY_IN_COLLECTIVE:
         return f"rank {rank} has been waiting in a collective{span}" + (f", called from {at}" if at else "")
     if activity.state in (ACTIVITY_BUSY, ACTIVITY_IDLE) and at:
