@@ -105,6 +105,60 @@ class Members(Sequence[int]):
 
 
 
+# What a rank is doing, as the exporter judges it from its snapshot (Activity.state).
+ACTIVITY_IN_COLLECTIVE = "in_collective"  # the training thread waits in a torch.distributed call
+ACTIVITY_BUSY = "busy"  # computing outside collectives
+ACTIVITY_IDLE = "idle"  # sleeping, or blocked in I/O, a queue or a lock
+ACTIVITY_WEDGED = "wedged"  # heartbeat stale, worker socket alive: its Python cannot sample itself
+ACTIVITY_GONE = "gone"  # heartbeat stale, socket dead
+ACTIVITY_UNKNOWN = "unknown"  # no stack (an older recorder, a dropped one) or not enough samples yet
+ACTIVITY_STATES = (ACTIVITY_IN_COLLECTIVE, ACTIVITY_BUSY, ACTIVITY_IDLE, ACTIVITY_WEDGED, ACTIVITY_GONE,
+                   ACTIVITY_UNKNOWN)
+
+Frame = tuple[str, str, int]  # (function, file, line)
+
+
+@dataclass(frozen=True)
+class Activity:
+    """A rank's activity: its state, its training thread's last sampled stack (innermost first), the process's
+    CPU use between its last two snapshots, and since when (unix seconds) it has been in this state in
+    the same headline function."""
+
+    state: str = ACTIVITY_UNKNOWN
+    frames: tuple[Frame, ...] = ()
+    cpu_percent: float | None = None
+    since: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"state": self.state,
+                "frames": [{"function": f, "file": p, "line": n} for f, p, n in self.frames],
+                "cpu_percent": self.cpu_percent, "since": self.since}
+
+    def headline(self) -> Frame | None:
+        """The frame a person wants named: the innermost outside torch and the standard library (the user's
+        code), else the innermost; None without a stack."""
+        for frame in self.frames:
+            if not is_library_file(frame[1]):
+                return frame
+        return self.frames[0] if self.frames else None
+
+
+def is_library_file(path: str) -> bool:
+    """A frame's file is torch's or the standard library's (judged from the path the rank reported: the
+    exporter does not know the rank's interpreter)."""
+    if path.startswith("<"):  # <frozen runpy>, <string>
+        return True
+    p = path.replace("\\", "/")
+    if "/torch/" in p:
+        return True
+    if "/site-packages/" in p or "/dist-packages/" in p:
+        return False
+    return "/lib/python3" in p
+
+
+UNKNOWN_ACTIVITY = Activity()
+
+
 @dataclass(frozen=True)
 class InflightCollective:
     """One collective enqueued on a rank and not yet completed (from a deep FR read)."""
@@ -175,6 +229,7 @@ class RankState:
     start_time: float = 0.0  # unix seconds the recorder started in this rank
     # Global ranks its launcher started on this rank's node (this one included); () when it did not say.
     node_ranks: tuple[int, ...] = ()
+    activity: Activity = UNKNOWN_ACTIVITY
 
     @property
     def up(self) -> bool:

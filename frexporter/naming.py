@@ -24,6 +24,11 @@ L_SIZE = "size"
 L_OP = "op"
 L_KIND = "kind"
 L_SEQ = "seq"
+# frexporter_verdict: what the culprit rank is doing (model.ACTIVITY_STATES) and its headline function
+# (the first frame outside torch and the standard library, cut to MAX_FUNCTION_LABEL_CHARS; "" when unknown).
+L_CULPRIT_STATE = "culprit_state"
+L_CULPRIT_FUNCTION = "culprit_function"
+MAX_FUNCTION_LABEL_CHARS = 64
 L_SOURCE = "source"
 L_REASON = "reason"
 L_VERSION = "version"
@@ -88,7 +93,7 @@ RANK_INFO_LABELS = (
 )
 PG_STATIC_LABELS = (L_JOB_ID, L_PG, L_PG_DESC)  # per node: the timeout
 PG_INFO_LABELS = (*PG_STATIC_LABELS, L_SIZE, L_BACKEND)
-VERDICT_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_RANK, L_KIND, L_OP, L_SEQ)
+VERDICT_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_RANK, L_KIND, L_OP, L_SEQ, L_CULPRIT_STATE, L_CULPRIT_FUNCTION)
 COLLECTIVE_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_OP)  # per node (the default)
 COLLECTIVE_RANK_LABELS = (L_JOB_ID, L_RANK, L_PG, L_PG_DESC, L_OP)  # per rank (opt-in)
 SOURCE_LABELS = (L_SOURCE,)

@@ -50,12 +50,13 @@ else
 fi
 
 if [ "$mode" = --test ]; then
-  if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null; then
-    log "installing prometheus and prometheus-alertmanager (Debian packages)"
+  if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
+      || ! command -v chromium >/dev/null; then
+    log "installing prometheus, prometheus-alertmanager and chromium (Debian packages)"
     SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-      prometheus prometheus-alertmanager >/dev/null
+      prometheus prometheus-alertmanager chromium >/dev/null
   fi
   tools="${FREXPORTER_TOOLS_DIR:-$HOME/.cache/frexporter-tools}"
   if [ ! -x "$tools/node_modules/.bin/helm" ]; then

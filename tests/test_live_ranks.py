@@ -114,6 +114,10 @@ def test_rank_holding_the_gil_is_still_exported(job_factory, exporter_factory) -
     state = wait_for(lambda: exp.rank(0) if exp.rank(0).status == RANK_UNRESPONSIVE else None, timeout=6,
                      what="rank 0 unresponsive while its main thread holds the GIL")
     assert state.up and state.socket_alive
+    # It cannot sample itself: its activity is wedged, with the last stack it sampled (in the wait loop
+    # or the C call's caller, both in the rank's script).
+    assert state.activity.state == "wedged"
+    assert any(f[1].endswith("job.py") for f in state.activity.frames), state.activity.frames
     world = next(p for p in state.pgs if p.desc == "default_pg")
     assert (world.last_enqueued, world.last_completed) == (2, 2)
     # The worker server answered from C++ while Python was wedged: a deep read happened during the wedge.

@@ -260,7 +260,8 @@ def test_push_carries_snapshot_values(receiver: Receiver, pushers: list[OtlpPush
 
     verdict = one(rows, "frexporter.verdict")
     assert verdict["attrs"] == {"job_id": "llm", "pg": "0", "pg_desc": "default_pg", "rank": "1",
-                                "kind": "missing_rank", "op": "all_reduce", "seq": "8"}
+                                "kind": "missing_rank", "op": "all_reduce", "seq": "8", "culprit_state": "unknown",
+                                "culprit_function": ""}
     assert verdict["value"] == 1
 
     util = one(rows, "hw.gpu.utilization")

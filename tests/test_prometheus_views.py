@@ -338,3 +338,19 @@ def test_analyze_prometheus_names_the_absent_ranks() -> None:
     full = [*samples, *_rank_series(2, 8, 8, world=4), *_rank_series(3, 8, 8, world=4)]
     with mock.patch.object(prometheus, "query", FakePrometheus(full)):
         assert not [v for v in report.from_prometheus("http://prometheus", "j", 30).verdicts if v.kind == RANK_ABSENT]
+
+
+def test_analyze_prometheus_says_what_the_culprit_is_doing() -> None:
+    # Rank 2 never joined collective 8; its node's exporter saw it busy in save_checkpoint. A bad label value
+    # (not a state) is ignored, not trusted.
+    samples = [*_rank_series(0, 8, 7, oldest=NOW - 100), *_rank_series(1, 8, 7, oldest=NOW - 100),
+               *_rank_series(2, 7, 7),
+               _rank(n.VERDICT, 1, 2, kind=MISSING_RANK, pg="0", culprit_state="busy",
+                     culprit_function="save_checkpoint"),
+               _rank(n.VERDICT, 1, 1, kind=MISSING_RANK, pg="0", culprit_state="<script>", culprit_function="x")]
+    states = {r.rank: r for r in _states(samples)}
+    assert states[2].activity.state == "busy" and states[2].activity.headline() == ("save_checkpoint", "", 0)
+    assert states[1].activity.state == "unknown"
+    (v,) = evaluate(states.values(), NOW, VerdictConfig(stuck_after=30, complete_view=True))
+    assert v.ranks == (2,) and v.activity["2"].state == "busy"
+    assert v.summary.endswith("Rank 2 has been busy in save_checkpoint.")

@@ -109,6 +109,7 @@ def test_demo_finds_the_culprit_and_cleans_up() -> None:
         stdout, stderr = demo.communicate(timeout=90)
         assert demo.returncode == 0, stdout + stderr
         assert "VERDICT" in stdout and "culprit rank(s) 3" in stdout and "done: culprit found" in stdout
+        assert "culprit activity: rank 3 " in stdout  # what the culprit is doing, from its sampled stack
         leftovers = {p for p in set(os.listdir(tempfile.gettempdir())) - before if p.startswith("frexporter-demo")}
         assert leftovers == set()
         assert not _group_alive(demo.pid), "a process of the demo outlived it"
@@ -139,3 +140,40 @@ def test_exporter_restarted_during_a_hang_has_the_verdict_back_within_two_polls(
     first_with = next(i for i, v in enumerate(verdicts_per_poll) if v)
     assert first_with < 2, verdicts_per_poll[:3]
     assert verdicts_per_poll[first_with][0].ranks == (1,)
+
+
+@pytest.mark.parametrize(("mode", "state", "function"), [("busy", "busy", "culprit_busy_checkpoint"),
+                                                          ("idle", "idle", "culprit_idle_wait_for_data")])
+def test_culprit_activity_busy_or_idle(job_factory, exporter_factory, mode: str, state: str, function: str) -> None:
+    job = job_factory("culprit", 2, env={"JOB_CULPRIT": mode, "JOB_TIMEOUT": "120"})
+    job.wait_ready()
+    exp = exporter_factory(job.spool, stuck_after=2.0)
+
+    def culprit_activity() -> object:
+        for v in exp.snapshot.verdicts:
+            act = v.activity.get("1")
+            if v.kind == "missing_rank" and v.ranks == (1,) and act is not None and act.state == state:
+                return v
+        return None
+
+    v = wait_for(culprit_activity, timeout=30, what=f"a missing_rank verdict whose culprit is {state}")
+    act = v.activity["1"]
+    assert function in [f[0] for f in act.frames]
+    assert act.headline()[0] == function  # the user's function, not the stdlib's sleep or a torch frame
+    assert f"rank 1 has been {state} in {function} (job.py:" in v.summary.lower()
+    assert (act.cpu_percent > 50) == (state == "busy")
+
+    status = json.loads(exp.get("/api/v1/status"))
+    (api,) = [a for a in status["verdicts"] if a["kind"] == "missing_rank"]
+    assert set(api["activity"]) == {"1"}
+    assert api["activity"]["1"]["state"] == state
+    assert function in [f["function"] for f in api["activity"]["1"]["frames"]]
+    assert set(api["activity"]["1"]) == {"state", "frames", "cpu_percent", "since"}
+    ranks = {r["rank"]: r for r in status["ranks"]}
+    assert function in [f["function"] for f in ranks[1]["activity"]["frames"]]
+    # The waiting rank is in the collective: its innermost frame is torch.distributed's.
+    assert ranks[0]["activity"]["state"] == "in_collective"
+    parsed = metrics(exp.get("/metrics"))
+    assert sample(parsed, n.VERDICT, rank="1", kind="missing_rank", culprit_state=state,
+                  culprit_function=function) == 1
+    job.touch("stop")

@@ -31,6 +31,7 @@ from typing import Any
 
 from frexporter import defaults
 from frexporter.analysis import text
+from frexporter.analysis.activity import with_activity
 from frexporter.analysis.findings import (
     Finding,
     FindingsConfig,
@@ -50,6 +51,7 @@ from frexporter.model import (
     RANK_DOWN,
     RANK_OK,
     RANK_UNRESPONSIVE,
+    Activity,
     InflightCollective,
     NodeSnapshot,
     PGState,
@@ -107,6 +109,7 @@ class Verdict:
     budget_used: float | None  # age / timeout
     summary: str
     details: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    activity: Mapping[str, Activity] = field(default_factory=dict, hash=False)  # culprit rank -> what it does
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -114,6 +117,7 @@ class Verdict:
             "ranks": list(self.ranks), "waiting_ranks": list(self.waiting_ranks), "seq": self.seq, "op": self.op,
             "since": self.since, "age_seconds": self.age_seconds, "timeout_seconds": self.timeout_seconds,
             "budget_used": self.budget_used, "summary": self.summary, "details": _jsonable(self.details),
+            "activity": {rank: a.to_json() for rank, a in self.activity.items()},
         }
 
 
@@ -486,6 +490,7 @@ def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | Non
     verdicts += find_absent(states.values(), now, config.stuck_after)
     if gpus is not None:
         verdicts = [_with_gpu_facts(v, states, gpus) for v in verdicts]
+    verdicts = [with_activity(v, states, now) for v in verdicts]
     return tuple(sorted(verdicts, key=verdict_sort_key))
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from frexporter import naming
+from frexporter.analysis.activity import describe
 from frexporter.app import App, build_app
 from frexporter.demo.rank import HANG_RANK
 from frexporter.model import NodeSnapshot
@@ -162,6 +163,8 @@ def _watch(app: App, procs: list[subprocess.Popen[bytes]], control: str, ranks: 
                 say(f"VERDICT{after}: {v.kind}, culprit rank(s) {','.join(map(str, v.ranks))}, PG {v.pg} "
                     f"({v.pg_desc}), {v.op} #{v.seq}, waiting since {since}")
                 say(f"  {v.summary}")
+                for rank, act in v.activity.items():
+                    say(f"  culprit activity: {describe(int(rank), act, snap.time) or f'rank {rank} is {act.state}'}")
             if v.kind in ("missing_rank", "mismatch") and tuple(v.ranks) == (expected,):
                 _wait_for_evidence(app, say)
                 return True

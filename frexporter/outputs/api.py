@@ -12,8 +12,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from frexporter import __version__
-from frexporter.analysis.verdicts import Verdict
-from frexporter.model import NodeSnapshot, PGState, RankState
+from frexporter.analysis.activity import where as activity_where
+from frexporter.analysis.verdicts import Verdict, budget_left
+from frexporter.model import ACTIVITY_UNKNOWN, Activity, NodeSnapshot, PGState, RankState
 
 MAX_LISTED_MEMBERS = 64  # member ranks per process group (its "size" is the whole count)
 MAX_LISTED_RANKS = 256  # ranks of the node
@@ -22,6 +23,8 @@ MAX_LISTED_PGS = 1024  # process groups over all ranks, in rank order (the node 
 MAX_LISTED_VERDICTS = 256
 MAX_LISTED_ITEMS = 64  # any list inside a verdict, and entries of a rank's recorder error map
 MAX_LISTED_SHAPES = 4  # tensor shapes (and dtypes) of a PG's oldest in-flight collective
+# The page reloads itself this often: an on-call engineer leaves it open through an incident.
+PAGE_REFRESH_SECONDS = 5
 TRUNCATED = "_truncated"  # suffix of the flag that says a list was cut: "ranks" -> "ranks_truncated"
 
 
@@ -94,6 +97,8 @@ def _rank_json(r: RankState, pgs: tuple[PGState, ...], now: float) -> dict[str, 
         "last_deep_read": r.last_deep_read,  # when the exporter last read this rank's FR entries over its socket
         "recorder_errors": dict(list(r.recorder_errors.items())[:MAX_LISTED_ITEMS]),
         "message": r.message,
+        # What its training thread is doing: state, sampled frames (innermost first), CPU %, since when.
+        "activity": r.activity.to_json(),
         "process_groups": [_pg_json(pg, now) for pg in pgs],
         "process_groups_total": len(r.pgs),
     }
@@ -192,13 +197,31 @@ def status_json(snap: NodeSnapshot) -> dict[str, Any]:
     }
 
 
+def _budget_text(v: Verdict) -> str:
+    left = budget_left(v)
+    return "" if left is None else f" [watchdog budget left: {max(0.0, left):.0f}s of {v.timeout_seconds:.0f}s]"
+
+
+def _activity_text(a: Activity, now: float) -> str:
+    """'busy in save_checkpoint (train.py:142) for 95s, 100 % CPU' for the page's activity column."""
+    if a.state == ACTIVITY_UNKNOWN:
+        return ""
+    at = activity_where(a)
+    span = f" for {now - a.since:.0f}s" if a.since is not None else ""
+    cpu = f", {a.cpu_percent:.0f} % CPU" if a.cpu_percent is not None else ""
+    return f"{a.state}{' in ' + at if at else ''}{span}{cpu}"
+
+
 def status_html(snap: NodeSnapshot) -> str:
     e = html.escape
     rows = []
+    culprits = {(v.job_id, rank) for v in snap.verdicts for rank in v.ranks}
     for r, pgs in _listed(snap.ranks[:MAX_LISTED_RANKS]):
+        culprit = (r.job_id, r.rank) in culprits
         for pg in pgs or (None,):
             cells = [r.job_id, str(r.rank), r.status,
-                     "" if r.heartbeat_age is None else f"{r.heartbeat_age:.1f}s"]
+                     "" if r.heartbeat_age is None else f"{r.heartbeat_age:.1f}s",
+                     _activity_text(r.activity, snap.time)]
             if pg is None:
                 cells += ["", "", "", "", "", ""]
             else:
@@ -207,22 +230,25 @@ def status_html(snap: NodeSnapshot) -> str:
                     oldest is not None and pg.inflight_count) else ""
                 cells += [pg.name if len(pg.name) <= 12 else pg.name[:10] + "…", pg.desc,
                           str(pg.last_enqueued), str(pg.last_completed), str(pg.inflight_count), age]
-            rows.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
+            row = "<tr class='culprit'>" if culprit else "<tr>"
+            rows.append(row + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
         if len(pgs) < len(r.pgs):
-            rows.append(f"<tr><td colspan='10'>… {len(r.pgs) - len(pgs)} more process groups of rank {r.rank} "
+            rows.append(f"<tr><td colspan='11'>… {len(r.pgs) - len(pgs)} more process groups of rank {r.rank} "
                         "not listed</td></tr>")
     if len(snap.ranks) > MAX_LISTED_RANKS:
-        rows.append(f"<tr><td colspan='10'>… {len(snap.ranks) - MAX_LISTED_RANKS} more ranks not listed</td></tr>")
-    verdicts = "".join(f"<li><b>{e(v.kind)}</b>: {e(v.summary)}</li>"
+        rows.append(f"<tr><td colspan='11'>… {len(snap.ranks) - MAX_LISTED_RANKS} more ranks not listed</td></tr>")
+    verdicts = "".join(f"<li><b>{e(v.kind)}</b>: {e(v.summary)}{e(_budget_text(v))}</li>"
                        for v in snap.verdicts[:MAX_LISTED_VERDICTS]) or "<li>none: no rank is stuck</li>"
     if len(snap.verdicts) > MAX_LISTED_VERDICTS:
         verdicts += f"<li>… {len(snap.verdicts) - MAX_LISTED_VERDICTS} more verdicts not listed</li>"
     sources = ", ".join(f"{e(s.name)}={'up' if s.up else 'DOWN: ' + e(s.last_error)}" for s in snap.sources)
-    head = ["job", "rank", "status", "heartbeat age", "pg", "desc", "enqueued", "completed", "in flight",
+    head = ["job", "rank", "status", "heartbeat age", "activity", "pg", "desc", "enqueued", "completed", "in flight",
             "oldest in flight"]
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>frexporter</title>"
-        "<style>body{font-family:sans-serif}td,th{padding:2px 8px;border-bottom:1px solid #ddd}</style>"
+        f"<meta http-equiv='refresh' content='{PAGE_REFRESH_SECONDS}'>"
+        "<style>body{font-family:sans-serif}td,th{padding:2px 8px;border-bottom:1px solid #ddd}"
+        "tr.culprit{background:#fdd;font-weight:bold}</style>"
         f"</head><body><h1>frexporter on {e(snap.hostname)}</h1><h2>Verdicts</h2><ul>{verdicts}</ul>"
         f"<h2>Ranks</h2><table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{''.join(rows)}</table>"
         f"<p>Sources: {sources}</p><p><a href='/metrics'>/metrics</a> · "

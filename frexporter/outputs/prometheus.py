@@ -10,7 +10,7 @@ from prometheus_client.utils import floatToGoString
 
 from frexporter import __version__
 from frexporter import naming as n
-from frexporter.model import DURATION_BUCKETS, NodeSnapshot, PGState, RankState
+from frexporter.model import DURATION_BUCKETS, UNKNOWN_ACTIVITY, NodeSnapshot, PGState, RankState
 
 _LE = tuple(floatToGoString(b) for b in DURATION_BUCKETS)
 
@@ -189,5 +189,11 @@ class SnapshotCollector(Collector):
                                 labels=list(n.VERDICT_LABELS))
         for v in snap.verdicts:
             for rank in v.ranks:
-                fam.add_metric([v.job_id, v.pg, v.pg_desc, str(rank), v.kind, v.op, str(v.seq)], 1)
+                # A culprit's state may change while the verdict stands (busy, then idle): a new series then,
+                # which is why no rule keeps a `for:` on this family.
+                act = v.activity.get(str(rank), UNKNOWN_ACTIVITY)
+                head = act.headline()
+                function = head[0][:n.MAX_FUNCTION_LABEL_CHARS] if head is not None else ""
+                fam.add_metric([v.job_id, v.pg, v.pg_desc, str(rank), v.kind, v.op, str(v.seq), act.state, function],
+                               1)
         yield fam

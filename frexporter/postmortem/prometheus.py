@@ -19,7 +19,17 @@ from typing import Any
 
 from frexporter import naming as n
 from frexporter.analysis.verdicts import with_oldest_start
-from frexporter.model import RANK_DOWN, RANK_OK, RANK_UNRESPONSIVE, PGState, RankState
+from frexporter.model import (
+    ACTIVITY_STATES,
+    ACTIVITY_UNKNOWN,
+    RANK_DOWN,
+    RANK_OK,
+    RANK_UNRESPONSIVE,
+    UNKNOWN_ACTIVITY,
+    Activity,
+    PGState,
+    RankState,
+)
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 # A heartbeat this old when scraped, on an up rank: its Python is wedged. Above the exporter's poll
@@ -133,6 +143,7 @@ def rank_states(base_url: str, job_id: str | None, now: float,
     pg_info = query(base_url, n.PG_INFO + sel)
     timeouts = _pg_timeouts(query(base_url, n.PG_TIMEOUT_SECONDS + sel))
     pg_samples = [(field, s) for metric, field in _PG_FIELDS for s in query(base_url, metric + sel)]
+    activities = _culprit_activities(query(base_url, n.VERDICT + sel))
 
     sources: dict[RankKey, set[Source]] = defaultdict(set)
     for table in (up, heartbeat, info):
@@ -199,9 +210,23 @@ def rank_states(base_url: str, job_id: str | None, now: float,
             world_size=_int(labels.get(n.L_WORLD_SIZE)), hostname=labels.get(n.L_HOSTNAME, ""),
             pid=_int(labels.get(n.L_PID)), torch_version=labels.get(n.L_TORCH_VERSION, ""),
             gpu_uuid=labels.get(n.L_GPU_UUID, ""), status=status, heartbeat=hb, heartbeat_age=age,
-            socket_alive=None, pgs=tuple(by_rank.get(key, ())),
+            socket_alive=None, pgs=tuple(by_rank.get(key, ())), activity=activities.get(key, UNKNOWN_ACTIVITY),
         ))
     return tuple(out)
+
+
+def _culprit_activities(samples: list[dict[str, Any]]) -> dict[RankKey, Activity]:
+    """What each culprit was doing as its node's exporter saw it (frexporter_verdict's culprit_state and
+    culprit_function); the function is all of the stack a series carries."""
+    out: dict[RankKey, Activity] = {}
+    for s in samples:
+        labels = s["metric"]
+        key, state = _rank_key(labels), labels.get(n.L_CULPRIT_STATE, "")
+        if key is None or state not in ACTIVITY_STATES or state == ACTIVITY_UNKNOWN:
+            continue
+        function = labels.get(n.L_CULPRIT_FUNCTION, "")[:n.MAX_FUNCTION_LABEL_CHARS]
+        out[key] = Activity(state=state, frames=((function, "", 0),) if function else ())
+    return out
 
 
 def _pg_timeouts(samples: list[dict[str, Any]]) -> dict[tuple[str, str], float]:

@@ -42,6 +42,9 @@ LAUNCHER_ENV: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
                ("run_id", "SLURM_JOB_ID"))),
 )
 _LAUNCHER_TEXT_FIELDS = ("run_id",)
+# Code objects whose encoded frame text the stack sampler keeps; past this it starts over (a training loop
+# runs a few hundred distinct functions, a long-lived job may compile many more).
+STACK_CACHE_MAX = 4096
 
 
 class Publisher:
@@ -75,6 +78,7 @@ class Publisher:
         self._launcher: dict[str, Any] = {}
         self._starting = False  # a starting manifest is out: this rank is known before its process group
         self._last_starting = 0.0
+        self._sample_stack = stack_sampler(threading.main_thread().ident, self._count_error)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -244,6 +248,7 @@ class Publisher:
         dumpers = self._status.dumpers
         dump = dumpers[0] if len(dumpers) == 1 else None
         read = self._status.read
+        stack, cpu_ns = self._sample_stack, time.process_time_ns
 
         def snapshot() -> bool:
             if len(names) != count:
@@ -253,9 +258,9 @@ class Publisher:
                 raw = dump(False)  # includeCollectives=False: pg_status and pg_config only
                 if raw[:1] != b"{" or raw[-1:] != b"}":
                     raw = checked(raw)
-                payload = fmt % (n, time_ns(), raw)
+                payload = fmt % (n, time_ns(), cpu_ns(), stack(), raw)
             else:
-                payload = fmt % (n, time_ns(), *read())
+                payload = fmt % (n, time_ns(), cpu_ns(), stack(), *read())
             with lock:
                 if not update(payload):  # also after stop(): it closes the map under this lock
                     return False
@@ -367,7 +372,7 @@ class Publisher:
             fmt = self._snapshot_format(state, message, len(status))
             if state == "running":
                 self._format = fmt
-        self._map.write(fmt % (self._counter, time.time_ns(), *status))
+        self._map.write(fmt % (self._counter, time.time_ns(), time.process_time_ns(), self._sample_stack(), *status))
 
     def _snapshot_format(self, state: str, message: str, slots: int) -> bytes:
         head = json.dumps({
@@ -378,7 +383,9 @@ class Publisher:
         body = b",".join(json.dumps(recorder).encode().replace(b"%", b"%%") + b":%s"
                          for recorder in recorders[:slots])
         # The time as integer nanoseconds with a JSON exponent: integer formatting is cheaper cold than a float's.
-        return head[:-1].replace(b"%", b"%%") + b',"counter":%%d,"time":%%de-9,"status":{%s}}' % body
+        # "cpu": the process's CPU seconds so far; "stack": the training thread's frames (stack_sampler).
+        return head[:-1].replace(b"%", b"%%") + (b',"counter":%%d,"time":%%de-9,"cpu":%%de-9,"stack":[%%s],'
+                                                 b'"status":{%s}}' % body)
 
     def _path(self, suffix: str) -> str:
         return os.path.join(self.directory, self._stem + suffix)
@@ -390,6 +397,54 @@ class Publisher:
             self._logged.add(reason)
             log.warning("frexporter recorder: %s: %s (further errors of this kind are counted, not logged)",
                         reason, exc)
+
+
+def stack_sampler(thread_id: int | None, count_error: Callable[[str, BaseException], None]
+                  ) -> Callable[[], bytes]:
+    """A function giving the stack of thread ``thread_id`` (the training thread) as the JSON items of the
+    snapshot's ``stack`` list: ``["function","file",line]`` per frame, innermost first, at most
+    ``spool.MAX_STACK_FRAMES``. Names and lines only: never a local or an argument.
+
+    It runs in the snapshot under the GIL: each code object's text is JSON-encoded once and kept (by id, with
+    the code object held so that its id is not reused), a frame then costs a lookup and one integer format.
+    A failure is counted once and turns sampling off (an empty stack) rather than costing every snapshot.
+    """
+    frames = sys._current_frames
+    limit, chars = spool.MAX_STACK_FRAMES, spool.MAX_FRAME_TEXT_CHARS
+    cache: dict[int, tuple[Any, bytes]] = {}
+    broken = False
+
+    def utf8(text: str) -> str:  # a file name that was not UTF-8 holds lone surrogates: the exporter refuses those
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+    def encode(code: Any) -> bytes:
+        name = utf8(getattr(code, "co_qualname", code.co_name))[:chars]
+        path = utf8(code.co_filename)[-chars:]  # the tail names the file; the head is the install prefix
+        return json.dumps([name, path]).encode()[:-1].replace(b"%", b"%%") + b",%d]"
+
+    def sample() -> bytes:
+        nonlocal broken
+        if broken:
+            return b""
+        try:
+            frame = frames().get(thread_id)  # type: ignore[arg-type]
+            out = []
+            while frame is not None and len(out) < limit:
+                code = frame.f_code
+                hit = cache.get(id(code))
+                if hit is None or hit[0] is not code:
+                    if len(cache) >= STACK_CACHE_MAX:
+                        cache.clear()
+                    hit = cache[id(code)] = (code, encode(code))
+                out.append(hit[1] % (frame.f_lineno or 0))
+                frame = frame.f_back
+            return b",".join(out)
+        except Exception as e:
+            broken = True
+            count_error("stack_sample", e)
+            return b""
+
+    return sample
 
 
 def default_job_id() -> str:

@@ -33,12 +33,13 @@ from frexporter.model import (
     RANK_EXITED,
     RANK_OK,
     RANK_UNRESPONSIVE,
+    Activity,
     CollectiveStats,
     InflightCollective,
     PGState,
     RankState,
 )
-from frexporter.sources import worker_client
+from frexporter.sources import activity, worker_client
 from frexporter.sources.base import Reading, SourceError
 from frexporter.sources.collectives import DEFAULT_WINDOW, CollectiveAccumulator, EntryCursor, GroupKey, LatenessTracker
 from frexporter.spool import Manifest, PermissionProblem, PGEntry, RawPGStatus, Snapshot, SpoolError
@@ -160,6 +161,9 @@ class _RankTrack:
     cursors: dict[str, EntryCursor] = field(default_factory=dict)  # recorder -> entries already handed over
     group_keys: dict[tuple[str, str], GroupKey] = field(default_factory=dict)  # see RanksSource._group_keys
     group_keys_of: Manifest | None = None
+    cpu_sample: tuple[float, float] | None = None  # (snapshot time, process CPU seconds) of the last snapshot
+    cpu_percent: float | None = None  # CPU use between the last two snapshots that carried it
+    activity: Activity | None = None
 
 
 class RanksSource:
@@ -424,6 +428,10 @@ class RanksSource:
             track.last_fresh = self.monotonic() - max(0.0, self.clock() - snap.time)
         elif snap.counter != track.snapshot.counter:
             track.last_fresh = self.monotonic()
+        for reason, message in snap.problems:  # dropped optional fields (stack, cpu); the rest stands
+            self.errors.append((reason, message))
+            self._throttle.warning(reason, "%s (reason=%s)", message, reason)
+        _absorb_cpu(track, snap)
         track.snapshot = snap
 
     @staticmethod
@@ -679,6 +687,9 @@ class RanksSource:
         pgs = self._pg_states(track, raw, now, mono)
         track.prev_raw = raw
         heartbeat = snap.time if snap is not None else None
+        track.activity = activity.next_activity(
+            track.activity, status, snap.stack if snap is not None else (), track.cpu_percent,
+            any(pg.inflight_count > 0 for pg in pgs), now)
         return RankState(
             job_id=m.job_id,
             rank=m.rank,
@@ -701,6 +712,7 @@ class RanksSource:
             state=m.state,
             start_time=m.start_time,
             node_ranks=m.launcher.node_ranks() if m.launcher is not None else (),
+            activity=track.activity,
         )
 
     def _pg_states(self, track: _RankTrack, raw: dict[str, dict[int, RawPGStatus]], now: float, mono: float
@@ -777,6 +789,18 @@ class RanksSource:
             exact=exact,
             has_p2p=pg.has_p2p,
         )
+
+
+def _absorb_cpu(track: _RankTrack, snap: Snapshot) -> None:
+    """CPU use between this snapshot and the last one that carried the process's CPU time."""
+    if snap.cpu is None:
+        return
+    prev = track.cpu_sample
+    if prev is not None and snap.time > prev[0] and snap.cpu >= prev[1]:
+        track.cpu_percent = round(100.0 * (snap.cpu - prev[1]) / (snap.time - prev[0]), 1)
+    elif prev is not None and (snap.time != prev[0] or snap.cpu != prev[1]):
+        track.cpu_percent = None  # the clock went back or a new process: start over
+    track.cpu_sample = (snap.time, snap.cpu)
 
 
 def _steady_ages(pg: _PGTrack, inflight: tuple[InflightCollective, ...], now: float, mono: float

@@ -21,6 +21,7 @@ from frexporter.spool.files import (
 from frexporter.spool.formats import (
     LAUNCHER_INVALID,
     MANIFEST_STATES,
+    SNAPSHOT_FIELD_INVALID,
     STATE_RUNNING,
     STATE_STARTING,
     Launcher,
@@ -33,6 +34,7 @@ from frexporter.spool.formats import (
     parse_manifest,
     parse_pg_status,
     parse_snapshot,
+    parse_stack,
 )
 from frexporter.spool.layout import (
     DEFAULT_SNAPSHOT_INTERVAL,
@@ -145,6 +147,7 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "RECORDER_FR",
     "RECORDER_NCCL",
+    "SNAPSHOT_FIELD_INVALID",
     "SNAPSHOT_FORMAT",
     "SNAPSHOT_MAP_FORMAT",
     "SNAPSHOT_MAP_SUFFIX",
@@ -177,6 +180,7 @@ __all__ = [
     "parse_manifest",
     "parse_pg_status",
     "parse_snapshot",
+    "parse_stack",
     "rank_stem",
     "read_json_at",
     "read_json_file",

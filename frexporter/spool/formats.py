@@ -16,6 +16,7 @@ from frexporter.spool.limits import (
     LIMIT_TEXT,
     MAX_ERROR_KIND_CHARS,
     MAX_ERROR_KINDS,
+    MAX_FRAME_TEXT_CHARS,
     MAX_LAUNCHER_FIELDS,
     MAX_MANIFEST_MEMBERS,
     MAX_MESSAGE_CHARS,
@@ -25,6 +26,7 @@ from frexporter.spool.limits import (
     MAX_RANK,
     MAX_RECORDERS,
     MAX_SNAPSHOT_BYTES,
+    MAX_STACK_FRAMES,
     MAX_TEXT_CHARS,
 )
 
@@ -176,6 +178,40 @@ class Snapshot:
     errors: Mapping[str, int]
     state: str  # "running", "exiting", "stopped"
     message: str
+    # The process's CPU seconds so far, and its training thread's stack, innermost first, as
+    # (function, file, line); None / () where the snapshot did not carry them (older recorders) or they
+    # were dropped as malformed (``problems``).
+    cpu: float | None = None
+    stack: tuple[tuple[str, str, int], ...] = ()
+    problems: tuple[tuple[str, str], ...] = ()  # (reason, message) of each optional field dropped
+
+
+# An optional snapshot field (cpu, stack) dropped as malformed; counted by reason, the snapshot stands.
+SNAPSHOT_FIELD_INVALID = "snapshot_field_invalid"
+
+
+def parse_stack(raw: Any, what: str) -> tuple[tuple[tuple[str, str, int], ...], tuple[tuple[str, str], ...]]:
+    """A snapshot's ``stack``, leniently: a malformed stack is dropped whole and reported as (reason, message),
+    never failing the snapshot (a stack must not cost a rank its other metrics)."""
+    if raw is None:
+        return (), ()
+    if not isinstance(raw, list):
+        return (), ((SNAPSHOT_FIELD_INVALID, f"{what}: stack is not a list; dropped"),)
+    if len(raw) > MAX_STACK_FRAMES:
+        return (), ((LIMIT_ITEMS, f"{what}: stack has {len(raw)} frames, over the bound of {MAX_STACK_FRAMES}; "
+                                  "dropped"),)
+    out = []
+    for i, frame in enumerate(raw):
+        if (not isinstance(frame, list) or len(frame) != 3 or not isinstance(frame[0], str)
+                or not isinstance(frame[1], str) or type(frame[2]) is not int or not 0 <= frame[2] <= INT_MAX):
+            return (), ((SNAPSHOT_FIELD_INVALID, f"{what}: stack[{i}] is not [function, file, line]; dropped"),)
+        if len(frame[0]) > MAX_FRAME_TEXT_CHARS or len(frame[1]) > MAX_FRAME_TEXT_CHARS:
+            return (), ((LIMIT_TEXT, f"{what}: stack[{i}] has a string over the bound of {MAX_FRAME_TEXT_CHARS} "
+                                     "characters; dropped"),)
+        if not _utf8(frame[0]) or not _utf8(frame[1]):
+            return (), ((SNAPSHOT_FIELD_INVALID, f"{what}: stack[{i}] is not UTF-8; dropped"),)
+        out.append((frame[0], frame[1], frame[2]))
+    return tuple(out), ()
 
 
 class _Fields:
@@ -396,6 +432,15 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
         _bounded_text(kind, MAX_ERROR_KIND_CHARS, f"{what}: error kind")
         if isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= INT_MAX:
             errors[kind] = count
+    problems: list[tuple[str, str]] = []
+    cpu = obj.get("cpu")
+    if cpu is not None:
+        cpu = _finite(cpu) if not isinstance(cpu, bool | str) else None
+        if cpu is None or cpu < 0:
+            problems.append((SNAPSHOT_FIELD_INVALID, f"{what}: cpu is not a non-negative number; dropped"))
+            cpu = None
+    stack, stack_problems = parse_stack(obj.get("stack"), what)
+    problems.extend(stack_problems)
     return Snapshot(
         pid=f.int("pid"),
         time=f.num("time"),
@@ -405,4 +450,7 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
         errors=errors,
         state=f.str("state", "running"),
         message=f.str("message", "", limit=MAX_SNAPSHOT_BYTES)[:MAX_MESSAGE_CHARS],
+        cpu=cpu,
+        stack=stack,
+        problems=tuple(problems),
     )

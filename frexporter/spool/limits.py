@@ -21,9 +21,11 @@ MAX_ERROR_KINDS = 64  # entries of a snapshot's recorder error map
 MAX_ERROR_KIND_CHARS = 64  # an error kind is a label value
 MAX_LAUNCHER_FIELDS = 16  # entries of a manifest's launcher map; the recorder writes 8
 MAX_MESSAGE_CHARS = 500  # a snapshot's human message: cut there (text for people, identifies nothing)
-# For stack sampling, which no file holds yet: frames kept per stack, and characters per frame string
-# (function, file name); a stack past them is to be cut, and say so.
-MAX_STACK_FRAMES = 256
+# A snapshot's sample of the training thread's stack: frames kept (innermost first; the recorder stops
+# walking there, deeper callers are not named), and characters per frame string (the recorder keeps the
+# head of a function name and the tail of a file path). 32 frames reach from a collective's wait well
+# past the training loop's own functions and keep the sample's cost in the snapshot's GIL budget.
+MAX_STACK_FRAMES = 32
 MAX_FRAME_TEXT_CHARS = 512
 # The reasons a file past a bound is refused with (frexporter_source_errors_total{reason}).
 LIMIT_MEMBERS = "limit_members"  # a PG's member list, or all member lists of one manifest

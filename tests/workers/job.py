@@ -149,6 +149,28 @@ elif scenario == "pair_skip":
         if first:
             ready()
             first = False
+elif scenario == "culprit":
+    # rank 0 waits in an all_reduce that rank 1 does not join: rank 1 computes in Python (JOB_CULPRIT=busy)
+    # or sleeps (idle) in a function whose name the test looks for among its sampled frames.
+    def culprit_busy_checkpoint() -> None:
+        x = 0
+        while not os.path.exists(os.path.join(control, "stop")):
+            for i in range(100_000):
+                x += i * i
+
+    def culprit_idle_wait_for_data() -> None:
+        while not os.path.exists(os.path.join(control, "stop")):
+            time.sleep(0.05)
+
+    dist.all_reduce(t)
+    ready()
+    if rank == 0:
+        dist.all_reduce(t)
+    elif os.environ.get("JOB_CULPRIT", "busy") == "busy":
+        culprit_busy_checkpoint()
+    else:
+        culprit_idle_wait_for_data()
+    idle()
 elif scenario == "slow_rank0":
     # A healthy but skewed job: before every all_reduce rank 0 works JOB_SLOW_SECONDS (evaluation, a
     # checkpoint) while the others already wait in the collective.
