@@ -12,6 +12,7 @@ from frexporter.analysis import VerdictConfig, make_analyzer
 from frexporter.analysis.verdicts import MISSING_RANK
 from frexporter.exporter import Exporter
 from frexporter.model import NodeSnapshot
+from frexporter.outputs.api import status_html, status_json
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from frexporter.sources.thresholds import ThresholdConfig, ThresholdLearner, quantile, stuck_threshold
 from tests import spoolgen
@@ -102,6 +103,16 @@ def test_steady_job_is_named_after_the_floor_not_the_ceiling(node_factory) -> No
     # Rank 0 enters the next all_reduce, rank 1 never does: a verdict once the floor has passed, not at 60 s.
     node.rings[0].append(raw(seq + 1, seq + 1, created=node.now, retired=False))
     hung_at = node.now
+    snap = _poll(node)
+    # Below the threshold: no verdict yet, and every view shows the wait against its threshold.
+    assert snap.verdicts == ()
+    status = status_json(snap)
+    group = next(g for g in status["process_groups"] if g["pg"] == "0")
+    assert group["stuck_threshold_seconds"] == defaults.STUCK_FLOOR and group["wait_seconds"] >= 1.0
+    rank0 = next(r for r in status["ranks"] if r["rank"] == 0)
+    pg0 = next(p for p in rank0["process_groups"] if p["pg"] == "0")
+    assert pg0["wait_seconds"] >= 1.0 and pg0["stuck_threshold_seconds"] == defaults.STUCK_FLOOR
+    assert "(threshold 10s)" in status_html(snap)
     while node.now - hung_at < defaults.STUCK_FLOOR + 2 * 1.0:
         snap = _poll(node)
         if any(v.kind == MISSING_RANK for v in snap.verdicts):
