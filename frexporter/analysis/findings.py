@@ -294,3 +294,11 @@ def find_all(ranks: Mapping[RankKey, RankState], conditions: Mapping[RankKey, st
         if finding is not None:
             out.append(finding)
     return out
+
+
+def waits_in_progress(ranks: Iterable[RankState], now: float, config: FindingsConfig) -> list[Finding]:
+    """Waits that are not stuck yet (below their PG's threshold): what a view shows instead of "nothing"."""
+    states = unique_ranks(ranks)
+    conditions = {key: condition(rank, now, config.stuck_after) for key, rank in states.items()}
+    return [f for f in find_all(states, conditions, now, config)
+            if not f.stuck and f.waiting and f.waited_seconds is not None]
