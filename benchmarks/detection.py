@@ -238,9 +238,10 @@ def _steady_fault(tag: str, marker: str, rank: int) -> Callable[[Job], float]:
 STEADY_FAULTS = (
     Fault("missing_rank", "rank 3 idles (no collective)", "steady", 4, _steady_fault("idle", "idled", 3), 3,
           DESYNC, {"rank": "3", "pg_desc": "default_pg"}, lambda s: {"JOB_VICTIM": "3"}),
+    # gloo fails the peers' collectives as soon as the culprit's connections close, so nobody is left
+    # waiting (NCCL's peers would hang, and page as for an idle culprit): the page is FrexporterRankDown.
     Fault("rank_down", "rank 3 SIGKILLed", "steady", 4, _steady_fault("kill", "killing", 3), 3,
-          DESYNC, {"rank": "3", "pg_desc": "default_pg"}, lambda s: {"JOB_VICTIM": "3"},
-          also=(("missing_rank", 3),)),
+          RANK_DOWN, {"rank": "3"}, lambda s: {"JOB_VICTIM": "3"}, also=(("missing_rank", 3),)),
     Fault("mismatch", "rank 0 takes pair01 before WORLD (deadlock)", "steady", 4,
           _steady_fault("deadlock", "deadlocked", 0), 0, DESYNC, {}, lambda s: {"JOB_VICTIM": "3"},
           also=(("missing_rank", 0), ("missing_rank", 1), ("mismatch", 1))),
@@ -470,7 +471,6 @@ def main(argv: list[str] | None = None) -> int:
         args.scale, args.interval, args.poll_interval = 1.0, 15.0, defaults.POLL_INTERVAL
         args.stuck_after, args.deep_interval = defaults.STUCK_AFTER, defaults.DEEP_INTERVAL
         faults = STEADY_FAULTS
-        args.faults = [f.kind for f in faults]
     rules = rule_timings(args.scale)
     threshold = rules[DESYNC].threshold
     assert threshold is not None
