@@ -5,18 +5,21 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from frexporter import defaults, spool
-from frexporter.analysis import VerdictConfig, make_analyzer
+from frexporter.analysis import VerdictConfig, evaluate, make_analyzer
+from frexporter.analysis.findings import FindingsConfig, waits_in_progress
 from frexporter.analysis.verdicts import MISSING_RANK
 from frexporter.exporter import Exporter
-from frexporter.model import NodeSnapshot
+from frexporter.model import NodeSnapshot, RankState
 from frexporter.outputs.api import status_html, status_json
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from frexporter.sources.thresholds import ThresholdConfig, ThresholdLearner, quantile, stuck_threshold
 from tests import spoolgen
 from tests.test_collectives import Node, node_factory, raw  # noqa: F401 (fixture)
+from tests.test_verdicts import NODE, NOW, tp_missing_rank_3
 
 CONFIG = ThresholdConfig(ceiling=60.0, floor=10.0, multiple=3.0, quantile=0.99, min_samples=20)
 
@@ -167,3 +170,21 @@ def test_history_goes_with_the_ranks(node_factory) -> None:  # noqa: F811
             os.unlink(node.dir / name)
     _poll(node)
     assert node.source._thresholds.samples(("job", "0")) == 0
+
+
+def test_verdict_uses_the_shortest_learned_threshold_capped_by_stuck_after() -> None:
+    def learned(thresholds: dict[int, float], age: float) -> list[RankState]:
+        ranks = tp_missing_rank_3(age=age)
+        return [replace(r, pgs=tuple(replace(p, stuck_threshold_seconds=thresholds.get(r.rank)) for p in r.pgs))
+                for r in ranks]
+
+    # Ranks 0-2 wait 15 s for rank 3: stuck where a rank's source learned 10 s, not with none learned.
+    assert [v.ranks for v in evaluate(learned({0: 10.0, 1: 25.0}, 15.0), NOW, NODE)] == [(3,)]
+    assert evaluate(learned({}, 15.0), NOW, NODE) == ()
+    assert evaluate(learned({0: 20.0}, 15.0), NOW, NODE) == ()
+    # A learned threshold above --stuck-after never delays the verdict past it.
+    assert [v.ranks for v in evaluate(learned({0: 600.0}, 61.0), NOW, NODE)] == [(3,)]
+    # Below the threshold the wait is shown with it.
+    waits = waits_in_progress(learned({0: 20.0}, 15.0), NOW, FindingsConfig(NODE.stuck_after, False))
+    assert [(w.waiting, w.blockers, w.threshold_seconds, round(w.waited_seconds or 0)) for w in waits] == [
+        ((0, 1, 2), (3,), 20.0, 15)]
