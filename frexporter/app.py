@@ -16,6 +16,7 @@ from frexporter.outputs.verdict_events import VerdictEvents
 from frexporter.sources import DEFAULT_SOURCES, SOURCES
 from frexporter.sources.base import Source
 from frexporter.sources.ranks import RanksConfig, RanksSource
+from frexporter.sources.thresholds import ThresholdConfig
 from frexporter.web.server import MetricsServer
 from frexporter.web.webconfig import WebConfig, check_debug_exposure
 
@@ -58,6 +59,8 @@ def build_app(
     port: int = 0,
     poll_interval: float = defaults.POLL_INTERVAL,
     stuck_after: float = defaults.STUCK_AFTER,
+    stuck_floor: float = defaults.STUCK_FLOOR,
+    stuck_multiple: float = defaults.STUCK_MULTIPLE,
     rank_timeout: float = defaults.RANK_TIMEOUT,
     sources: Collection[str] = DEFAULT_SOURCES,
     deep_interval: float = defaults.DEEP_INTERVAL,
@@ -84,6 +87,8 @@ def build_app(
     raises WebConfigError (a ValueError) on a non-loopback ``host`` unless TLS and authentication are on.
     ``strict_permissions``: the ranks source stops reading (source down) while the spool is open to others,
     instead of warning.
+    ``stuck_after`` is the ceiling of each PG's learned stuck threshold (``stuck_floor``, ``stuck_multiple``:
+    docs/detection.md).
     ``max_connections``: open HTTP connections at most; more are closed unserved.
     ``otlp_endpoint`` without the otlp extra installed raises MissingExtraError.
     """
@@ -95,6 +100,7 @@ def build_app(
         RanksConfig(
             directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval,
             per_rank_durations=per_rank_durations, strict_permissions=strict_permissions,
+            thresholds=ThresholdConfig(ceiling=stuck_after, floor=stuck_floor, multiple=stuck_multiple),
         )
     )
     unknown = set(sources) - {s.name for s in SOURCES}

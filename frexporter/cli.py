@@ -92,8 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--poll-interval", type=_positive, default=DEFAULT_POLL_INTERVAL, metavar="SECONDS",
                        help=f"how often ranks are read, independent of scrapes (default {DEFAULT_POLL_INTERVAL})")
     serve.add_argument("--stuck-after", type=_positive, default=DEFAULT_STUCK_AFTER, metavar="SECONDS",
-                       help="how long a collective may wait on missing ranks before it is a verdict "
-                            f"(default {DEFAULT_STUCK_AFTER:.0f})")
+                       help="how long a collective may wait on missing ranks before it is a verdict: the "
+                            "ceiling of each process group's learned threshold, and the threshold until one is "
+                            f"learned (default {DEFAULT_STUCK_AFTER:.0f})")
+    serve.add_argument("--stuck-floor", type=_non_negative, default=defaults.STUCK_FLOOR, metavar="SECONDS",
+                       help="the shortest learned stuck threshold, whatever a process group's history says "
+                            f"(default {defaults.STUCK_FLOOR:.0f})")
+    serve.add_argument("--stuck-multiple", type=_positive, default=defaults.STUCK_MULTIPLE, metavar="FACTOR",
+                       help="learned stuck threshold = this x the process group's high quantile of waits and "
+                            f"gaps between completions (default {defaults.STUCK_MULTIPLE:g})")
     serve.add_argument("--rank-timeout", type=_positive, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                        help=f"longest one rank's socket may take per poll (default {DEFAULT_RANK_TIMEOUT})")
     serve.add_argument("--deep-interval", type=_non_negative, default=DEFAULT_DEEP_INTERVAL, metavar="SECONDS",
@@ -231,6 +238,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(directory=directory, host=host, port=port, poll_interval=args.poll_interval,
                         stuck_after=args.stuck_after, rank_timeout=args.rank_timeout,
+                        stuck_floor=args.stuck_floor, stuck_multiple=args.stuck_multiple,
                         sources=[info.name for info in SOURCES if getattr(args, f"source_{info.name}")],
                         deep_interval=args.deep_interval, per_rank_durations=args.per_rank_durations,
                         nvlink_per_link=args.nvlink_per_link, verdict_confirm_after=args.verdict_confirm_after,

@@ -19,3 +19,11 @@ OTLP_INTERVAL = 15.0
 # Open HTTP connections (each holds a thread), kept-alive ones included: one Prometheus (or an HA pair) needs
 # one or two, and room is left for curl, probes and 50 concurrent scrapers (benchmarks/load.py).
 WEB_MAX_CONNECTIONS = 64
+# Adaptive stuck threshold per process group (docs/detection.md): max(floor, multiple x the learned high
+# quantile of the PG's waits and gaps between completions), never above --stuck-after (the ceiling); the
+# ceiling until a PG has STUCK_MIN_SAMPLES samples.
+STUCK_FLOOR = 10.0
+STUCK_MULTIPLE = 3.0
+STUCK_QUANTILE = 0.99
+STUCK_MIN_SAMPLES = 20
+STUCK_HISTORY = 1024  # samples kept per PG (the newest): about 17 minutes of a job that completes every poll

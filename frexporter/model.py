@@ -193,6 +193,9 @@ class PGState:
     # compare with. See frexporter/sources/collectives.py.
     lateness_seconds: float | None = None
     lateness_samples: int = 0
+    # Seconds a collective of this PG may wait before it counts as stuck, learned from the PG's history
+    # (frexporter/sources/thresholds.py); None where nobody learned one (dumps, old series): the fixed one.
+    stuck_threshold_seconds: float | None = None
 
     @property
     def size(self) -> int:

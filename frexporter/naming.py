@@ -62,6 +62,7 @@ PG_LAST_COMPLETED_SEQ = PREFIX + "pg_last_completed_seq"
 PG_INFLIGHT_COLLECTIVES = PREFIX + "pg_inflight_collectives"
 PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS = PREFIX + "pg_oldest_inflight_start_timestamp_seconds"
 PG_TIMEOUT_SECONDS = PREFIX + "pg_timeout_seconds"
+PG_STUCK_THRESHOLD_SECONDS = PREFIX + "pg_stuck_threshold_seconds"  # learned, docs/detection.md
 PG_LAST_PROGRESS_TIMESTAMP_SECONDS = PREFIX + "pg_last_progress_timestamp_seconds"
 
 # Collectives
@@ -91,7 +92,7 @@ RANK_INFO_LABELS = (
     L_TORCH_VERSION,
     L_GPU_UUID,
 )
-PG_STATIC_LABELS = (L_JOB_ID, L_PG, L_PG_DESC)  # per node: the timeout
+PG_STATIC_LABELS = (L_JOB_ID, L_PG, L_PG_DESC)  # per node: the timeout, the stuck threshold
 PG_INFO_LABELS = (*PG_STATIC_LABELS, L_SIZE, L_BACKEND)
 VERDICT_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_RANK, L_KIND, L_OP, L_SEQ, L_CULPRIT_STATE, L_CULPRIT_FUNCTION)
 COLLECTIVE_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_OP)  # per node (the default)

@@ -53,6 +53,15 @@ def test_analyze_names_the_rank_missing_from_real_gloo_dumps(real_dumps: Path) -
 
 
 @pytest.mark.e2e
+def test_analyze_shows_a_wait_below_the_threshold_rather_than_nothing(real_dumps: Path) -> None:
+    out = analyze(str(real_dumps), "--stuck-after", "100000")
+    assert out.returncode == 0, out.stderr
+    assert "no stuck collective found" not in out.stdout
+    assert "waiting: job dump, PG 0 (default_pg), all_reduce #5: ranks 0,1 wait on rank(s) 2 for " in out.stdout
+    assert "s (threshold 100000s)" in out.stdout, out.stdout
+
+
+@pytest.mark.e2e
 def test_gloo_dump_with_broken_pg_config_still_maps_groups(real_dumps: Path) -> None:
     dumps, problems = dumpfiles.load_dir(str(real_dumps))
     assert problems == []

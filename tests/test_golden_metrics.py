@@ -33,7 +33,8 @@ def pg(name: str, desc: str, enq: int, done: int, inflight: tuple[InflightCollec
     return PGState(name=name, desc=desc, ranks=(0, 1), backend="cpu:gloo", last_enqueued=enq, last_started=-1,
                    last_completed=done, inflight=inflight, inflight_count=enq - done, timeout_seconds=1800.0,
                    last_progress=progress, exact=True, has_p2p=False, lateness_seconds=lateness,
-                   lateness_samples=0 if lateness is None else 200)
+                   lateness_samples=0 if lateness is None else 200,
+                   stuck_threshold_seconds=10.0 if name == "0" else None)
 
 
 def fixed_snapshot() -> NodeSnapshot:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from frexporter import defaults
 from tests.harness import missing, require_module, require_tool, tools_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -313,6 +314,8 @@ def assert_exporter_container(c: dict[str, Any], mount: str = "/run/frexporter",
     assert flags["--dir"] == spool_dir
     assert flags["--listen"] == ":9477"
     assert float(flags["--poll-interval"]) > 0 and float(flags["--stuck-after"]) > 0
+    assert float(flags["--stuck-floor"]) == defaults.STUCK_FLOOR
+    assert float(flags["--stuck-multiple"]) == defaults.STUCK_MULTIPLE
     assert c["ports"] == [{"name": "metrics", "containerPort": 9477, "protocol": "TCP"}]
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}

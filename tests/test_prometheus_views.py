@@ -354,3 +354,27 @@ def test_analyze_prometheus_says_what_the_culprit_is_doing() -> None:
     (v,) = evaluate(states.values(), NOW, VerdictConfig(stuck_after=30, complete_view=True))
     assert v.ranks == (2,) and v.activity["2"].state == "busy"
     assert v.summary.endswith("Rank 2 has been busy in save_checkpoint.")
+
+
+def test_analyze_prometheus_uses_the_learned_threshold_and_shows_a_wait_below_it() -> None:
+    # Ranks 0 and 1 wait in collective 8 since 20 s; rank 2 never enqueued it.
+    samples = [*_rank_series(0, 8, 7, oldest=NOW - 20), *_rank_series(1, 8, 7, oldest=NOW - 20),
+               *_rank_series(2, 7, 7)]
+
+    def analyze(extra: list[dict[str, Any]]) -> report.Report:
+        with mock.patch.object(prometheus, "query", FakePrometheus([*samples, *extra])), \
+                mock.patch("time.time", return_value=NOW):
+            return report.from_prometheus("http://prometheus", "j", stuck_after=60)
+
+    # The exporters learned 10 s (node1's 25 s loses to the shortest): blamed now, as the alert does.
+    learned = analyze([_pg_static(n.PG_STUCK_THRESHOLD_SECONDS, 10, "node0:9400"),
+                       _pg_static(n.PG_STUCK_THRESHOLD_SECONDS, 25, "node1:9400")])
+    assert [(v.kind, v.ranks) for v in learned.verdicts] == [(MISSING_RANK, (2,))], learned.verdicts
+    # Without the series (an older exporter): --stuck-after; the wait is shown, never "nothing found".
+    for extra, threshold in (([], 60), ([_pg_static(n.PG_STUCK_THRESHOLD_SECONDS, 30, "node0:9400")], 30)):
+        found = analyze(extra)
+        assert found.verdicts == ()
+        text = report.render_text(found)
+        assert "no stuck collective found" not in text
+        assert (f"waiting: job j, PG 0 (default_pg), collective #8: ranks 0,1 wait on rank(s) 2 for 20s "
+                f"(threshold {threshold}s)") in text, text

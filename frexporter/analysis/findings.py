@@ -62,6 +62,8 @@ class Finding:
     mismatch: Mismatch | None = None
     inexact: tuple[int, ...] = ()  # members whose collective-domain values come from an older deep read
     p2p: bool = False  # a send or recv waiting for its peer (post-mortem only); ``seq`` is then the p2p seq
+    threshold_seconds: float | None = None  # the wait after which this one is stuck (see pg_threshold)
+    waited_seconds: float | None = None  # the longest wait the evidence proves
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,13 @@ def _timing(group: _Group, ranks: Mapping[int, RankState], waiting: tuple[int, .
     return (None if oldest is None else oldest[0]), timeout or None, proven
 
 
+def pg_threshold(states: Iterable[PGState], stuck_after: float) -> float:
+    """The stuck threshold of a PG: the shortest its ranks' sources learned (one node's history is as good
+    as another's), never above ``stuck_after``, which is also the answer where none was learned."""
+    learned = [s.stuck_threshold_seconds for s in states if s.stuck_threshold_seconds is not None]
+    return min([stuck_after, *learned])
+
+
 def _op(entries: Mapping[int, tuple[InflightCollective, ...]], mismatch: Mismatch | None) -> str:
     named = {r: g[0].op for r, g in entries.items() if g and g[0].op}
     if mismatch is not None and mismatch.majority:
@@ -264,10 +273,11 @@ def _finding(group: _Group, ranks: Mapping[int, RankState], cond: Mapping[int, s
     entries = {r: _entries_at(group.states.get(r), seq) for r in joined}
     mismatch = find_mismatch(entries, len(group.declared) or None)
     since, timeout, proven = _timing(group, observed, waiting, seq, now)
+    threshold = pg_threshold(group.states.values(), config.stuck_after)
     return Finding(
         job_id=group.job_id, pg=group.name, pg_desc=group.desc, members=members, seq=seq,
         op=_op(entries, mismatch), since=since, timeout_seconds=timeout,
-        stuck=proven is not None and proven >= config.stuck_after,
+        stuck=proven is not None and proven >= threshold, threshold_seconds=threshold, waited_seconds=proven,
         waiting=waiting, missing=missing, down=down, unobserved=unobserved, blockers=blockers, mismatch=mismatch,
         inexact=tuple(r for r in observed if r in group.states and not group.states[r].exact),
     )
@@ -284,3 +294,11 @@ def find_all(ranks: Mapping[RankKey, RankState], conditions: Mapping[RankKey, st
         if finding is not None:
             out.append(finding)
     return out
+
+
+def waits_in_progress(ranks: Iterable[RankState], now: float, config: FindingsConfig) -> list[Finding]:
+    """Waits that are not stuck yet (below their PG's threshold): what a view shows instead of "nothing"."""
+    states = unique_ranks(ranks)
+    conditions = {key: condition(rank, now, config.stuck_after) for key, rank in states.items()}
+    return [f for f in find_all(states, conditions, now, config)
+            if not f.stuck and f.waiting and f.waited_seconds is not None]

@@ -58,6 +58,9 @@ def _pg_json(pg: PGState, now: float) -> dict[str, Any]:
         "inflight_collectives": pg.inflight_count,
         "oldest_inflight": inflight,
         "timeout_seconds": pg.timeout_seconds,
+        # A wait in progress and the threshold it is judged against, so that a wait below it shows as such.
+        "wait_seconds": None if inflight is None else inflight["age_seconds"],
+        "stuck_threshold_seconds": pg.stuck_threshold_seconds,
         "last_progress": pg.last_progress,
         "exact": pg.exact,
         "has_p2p": pg.has_p2p,
@@ -120,6 +123,16 @@ def _process_groups(snap: NodeSnapshot, listed: list[tuple[RankState, tuple[PGSt
                 _cut(g, "ranks", pg.ranks, MAX_LISTED_MEMBERS)
                 g["local_ranks"] = {}
                 g["local_ranks" + TRUNCATED] = False
+                g["wait_seconds"] = None
+                g["stuck_threshold_seconds"] = None
+            oldest = pg.oldest_inflight
+            if oldest is not None and pg.inflight_count:
+                wait = round(max(0.0, snap.time - oldest.created), 3)
+                g["wait_seconds"] = wait if g["wait_seconds"] is None else max(g["wait_seconds"], wait)
+            if pg.stuck_threshold_seconds is not None:
+                known = g["stuck_threshold_seconds"]
+                g["stuck_threshold_seconds"] = min(known, pg.stuck_threshold_seconds) if known is not None else (
+                    pg.stuck_threshold_seconds)
             g["local_ranks"][str(r.rank)] = {
                 "last_enqueued_seq": pg.last_enqueued,
                 "last_completed_seq": pg.last_completed,
@@ -228,6 +241,8 @@ def status_html(snap: NodeSnapshot) -> str:
                 oldest = pg.oldest_inflight
                 age = f"{oldest.op} #{oldest.seq} for {snap.time - oldest.created:.0f}s" if (
                     oldest is not None and pg.inflight_count) else ""
+                if age and pg.stuck_threshold_seconds is not None:
+                    age += f" (threshold {pg.stuck_threshold_seconds:.0f}s)"
                 cells += [pg.name if len(pg.name) <= 12 else pg.name[:10] + "…", pg.desc,
                           str(pg.last_enqueued), str(pg.last_completed), str(pg.inflight_count), age]
             row = "<tr class='culprit'>" if culprit else "<tr>"

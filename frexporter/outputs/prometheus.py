@@ -22,12 +22,13 @@ def _pg_labels(rank: RankState, pg: PGState) -> list[str]:
 class _PGFacts:
     """A PG's static facts across this node's ranks (they agree unless a rank is mid-restart)."""
 
-    __slots__ = ("backend", "size", "timeout")
+    __slots__ = ("backend", "size", "threshold", "timeout")
 
     def __init__(self) -> None:
         self.size = 0
         self.backend = ""
         self.timeout: float | None = None
+        self.threshold: float | None = None
 
     def add(self, pg: PGState) -> None:
         self.size = max(self.size, pg.size)
@@ -35,6 +36,9 @@ class _PGFacts:
         if pg.timeout_seconds is not None:
             # The shortest is the one whose watchdog fires first.
             self.timeout = pg.timeout_seconds if self.timeout is None else min(self.timeout, pg.timeout_seconds)
+        if pg.stuck_threshold_seconds is not None:
+            learned = pg.stuck_threshold_seconds
+            self.threshold = learned if self.threshold is None else min(self.threshold, learned)
 
 
 class SnapshotCollector(Collector):
@@ -125,6 +129,10 @@ class SnapshotCollector(Collector):
                                    "Unix time the oldest in-flight collective was enqueued.", labels=labels)
         timeout = GaugeMetricFamily(n.PG_TIMEOUT_SECONDS, "Watchdog timeout of the process group (the "
                                     "shortest among this node's ranks).", labels=list(n.PG_STATIC_LABELS))
+        threshold = GaugeMetricFamily(n.PG_STUCK_THRESHOLD_SECONDS,
+                                      "Seconds a collective of the process group may wait before it counts as "
+                                      "stuck, learned from its history (docs/detection.md).",
+                                      labels=list(n.PG_STATIC_LABELS))
         progress = GaugeMetricFamily(n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS,
                                      "Unix time the completed sequence last advanced (first seen: the newest "
                                      "completed collective's creation time, a lower bound).", labels=labels)
@@ -162,7 +170,9 @@ class SnapshotCollector(Collector):
             info.add_metric([job_id, name, desc, str(facts.size), facts.backend], 1)
             if facts.timeout is not None:
                 timeout.add_metric([job_id, name, desc], facts.timeout)
-        yield from (info, enq, started, done, inflight, oldest, timeout, progress, straggler, straggler_old)
+            if facts.threshold is not None:
+                threshold.add_metric([job_id, name, desc], facts.threshold)
+        yield from (info, enq, started, done, inflight, oldest, timeout, threshold, progress, straggler, straggler_old)
 
     @staticmethod
     def _collectives(snap: NodeSnapshot) -> Iterator[Metric]:

@@ -142,6 +142,8 @@ def rank_states(base_url: str, job_id: str | None, now: float,
     info = _by_source(query(base_url, n.RANK_INFO + sel))
     pg_info = query(base_url, n.PG_INFO + sel)
     timeouts = _pg_timeouts(query(base_url, n.PG_TIMEOUT_SECONDS + sel))
+    # The exporters' learned stuck thresholds (absent from older ones: the caller's fixed one applies).
+    thresholds = _pg_timeouts(query(base_url, n.PG_STUCK_THRESHOLD_SECONDS + sel))
     pg_samples = [(field, s) for metric, field in _PG_FIELDS for s in query(base_url, metric + sel)]
     activities = _culprit_activities(query(base_url, n.VERDICT + sel))
 
@@ -186,6 +188,7 @@ def rank_states(base_url: str, job_id: str | None, now: float,
             # A reported 0 is an answer, not a gap to fill from the seqs.
             inflight_count=max(0, enq - done) if inflight is None else max(0, int(inflight)),
             timeout_seconds=timeouts.get((job, pg)), last_progress=v.get("progress"), exact=True, has_p2p=False,
+            stuck_threshold_seconds=thresholds.get((job, pg)),
         )
         by_rank[(job, rank)].append(with_oldest_start(state, v.get("oldest")))
     keys = set(by_rank) | {key for key in chosen if pick(up, key) is not None}
@@ -230,7 +233,8 @@ def _culprit_activities(samples: list[dict[str, Any]]) -> dict[RankKey, Activity
 
 
 def _pg_timeouts(samples: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
-    """Each PG's watchdog timeout (exported per node, without a rank): the shortest any node reports."""
+    """Each PG's watchdog timeout or stuck threshold (exported per node, without a rank): the shortest any
+    node reports."""
     out: dict[tuple[str, str], float] = {}
     for s in samples:
         job, pg = s["metric"].get(n.L_JOB_ID), s["metric"].get(n.L_PG)

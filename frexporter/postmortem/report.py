@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frexporter.analysis import history
+from frexporter.analysis.findings import Finding, FindingsConfig, waits_in_progress
 from frexporter.analysis.verdicts import (
     LAGGING_RANK,
     PAST_MISMATCH,
@@ -39,6 +40,7 @@ class Report:
     recorded: dict[str, Any] | None = None  # the verdict an exporter recorded with an evidence bundle
     skipped_files: int = 0
     skipped_entries: int = 0
+    waits: tuple[Finding, ...] = ()  # waits in progress below their threshold: shown when nothing is stuck
 
 
 def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report:
@@ -71,8 +73,9 @@ def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report
     hangs = evaluate(ranks, now, VerdictConfig(stuck_after=stuck_after, complete_view=True), more_findings=p2p)
     past = [past_mismatch_verdict(p) for g in groups for p in history.past_mismatches(g)]
     lags = [lagging_verdict(lag, now) for g in groups if (lag := history.lagging(g, now)) is not None]
+    waits = tuple(waits_in_progress(ranks, now, FindingsConfig(stuck_after, complete_view=True)))
     return Report(source=directory, ranks=ranks, verdicts=(*hangs, *past, *lags), problems=problems,
-                  recorded=recorded, skipped_files=skipped_files, skipped_entries=skipped_entries)
+                  recorded=recorded, skipped_files=skipped_files, skipped_entries=skipped_entries, waits=waits)
 
 
 def from_prometheus(url: str, job_id: str | None, stuck_after: float) -> Report:
@@ -82,7 +85,8 @@ def from_prometheus(url: str, job_id: str | None, stuck_after: float) -> Report:
     # Every node's ranks are in the view: a rank below the world size without any series is absent.
     absent = tuple(v for v in find_absent_in_world(ranks) if not any(
         h.kind == RANK_ABSENT and h.job_id == v.job_id for h in verdicts))
-    return Report(source=url, ranks=ranks, verdicts=(*verdicts, *absent))
+    waits = tuple(waits_in_progress(ranks, now, FindingsConfig(stuck_after, complete_view=True)))
+    return Report(source=url, ranks=ranks, verdicts=(*verdicts, *absent), waits=waits)
 
 
 def _count(count: int, singular: str, plural: str) -> str:
@@ -108,7 +112,9 @@ def render_text(report: Report) -> str:
     past = [v for v in report.verdicts if v.kind == PAST_MISMATCH]
     lags = [v for v in report.verdicts if v.kind == LAGGING_RANK]
     if not hangs:
-        lines.append("no stuck collective found")
+        lines.extend(_wait_line(f) for f in report.waits)
+        if not report.waits:
+            lines.append("no stuck collective found")
     for v in hangs:
         left = budget_left(v)
         budget = f", {left:.0f}s of the {v.timeout_seconds:.0f}s watchdog budget left" if (
@@ -131,6 +137,20 @@ def render_text(report: Report) -> str:
                      f"rank(s) {','.join(map(str, v.ranks))}")
         lines.append(f"  {v.summary}")
     return "\n".join(lines)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    shown = ",".join(map(str, ranks[:16]))
+    return shown + (f",... ({len(ranks)})" if len(ranks) > 16 else "")
+
+
+def _wait_line(f: Finding) -> str:
+    """A wait in progress, not stuck yet: who waits on whom, for how long, against which threshold."""
+    on = f"rank(s) {_ranks(f.blockers)}" if f.blockers else "the collective to complete"
+    waited = f.waited_seconds or 0.0
+    threshold = f" (threshold {f.threshold_seconds:.0f}s)" if f.threshold_seconds is not None else ""
+    return (f"waiting: job {f.job_id}, PG {f.pg} ({f.pg_desc}), {f.op or 'collective'} #{f.seq}: ranks "
+            f"{_ranks(f.waiting)} wait on {on} for {waited:.0f}s{threshold}")
 
 
 def render_json(verdicts: Sequence[Verdict]) -> str:

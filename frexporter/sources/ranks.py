@@ -42,6 +42,7 @@ from frexporter.model import (
 from frexporter.sources import activity, worker_client
 from frexporter.sources.base import Reading, SourceError
 from frexporter.sources.collectives import DEFAULT_WINDOW, CollectiveAccumulator, EntryCursor, GroupKey, LatenessTracker
+from frexporter.sources.thresholds import ThresholdConfig, ThresholdLearner
 from frexporter.spool import Manifest, PermissionProblem, PGEntry, RawPGStatus, Snapshot, SpoolError
 
 log = logging.getLogger("frexporter.ranks")
@@ -73,6 +74,7 @@ class RanksConfig:
     per_rank_durations: bool = False  # collective durations and bytes per rank instead of per node
     straggler_window: int = DEFAULT_WINDOW  # collectives per rank the lateness score averages over
     strict_permissions: bool = False  # a spool others may write is not read at all (source down), not just warned
+    thresholds: ThresholdConfig = field(default_factory=ThresholdConfig)  # adaptive stuck threshold per PG
 
 
 @dataclass
@@ -135,6 +137,7 @@ class _PGTrack:
     has_p2p: bool = False
     last_completed: int | None = None
     last_progress: float | None = None
+    progress_mono: float | None = None  # the monotonic time of the last advance (or first sight): gap samples
     # (seq, created) of an in-flight entry -> its age in seconds and our monotonic time when first seen
     seen_inflight: dict[tuple[int, float], tuple[float, float]] = field(default_factory=dict)
 
@@ -190,6 +193,7 @@ class RanksSource:
         self.errors: list[tuple[str, str]] = []  # (reason, message) of the current poll
         self._collectives = CollectiveAccumulator(per_rank=config.per_rank_durations)
         self._lateness = LatenessTracker(window=config.straggler_window)
+        self._thresholds = ThresholdLearner(config.thresholds)
         # Completed collectives so far (durations, bytes), as of the last collect(); the exporter puts them
         # in NodeSnapshot.collectives.
         self.collectives: tuple[CollectiveStats, ...] = ()
@@ -226,6 +230,8 @@ class RanksSource:
         self._await_socket_work()
         tracks = sorted(self._ranks.values(), key=lambda t: (t.manifest.job_id, t.manifest.rank))
         states = tuple(s for s in (self._rank_state(track, now, mono) for track in tracks) if s is not None)
+        # A PG no exported rank lists any more (destroyed, its job gone) takes its history with it.
+        self._thresholds.retain((s.job_id, pg.name) for s in states for pg in s.pgs)
         live_jobs = {t.manifest.job_id for t in self._ranks.values()}
         self._collectives.forget_jobs(live_jobs)
         self._lateness.forget({key for t in self._ranks.values() for key in self._group_keys(t).values()})
@@ -732,7 +738,9 @@ class RanksSource:
         for name, (recorder, _pg_id, status) in sorted(chosen.items()):
             entry = table.get(name) or PGEntry(name=name, desc="", ranks=(), backend=recorder)
             pg = track.pgs.setdefault(name, _PGTrack())
+            prev_completed, prev_seen = pg.last_completed, pg.seen_inflight
             state = self._pg_state(entry, pg, status, recorder, track, now, mono)
+            state = self._learn(track.manifest.job_id, pg, state, prev_completed, prev_seen, mono)
             key = keys.get((recorder, name))
             if key is not None:
                 lateness, samples = self._lateness.score(key, track.manifest.rank)
@@ -740,6 +748,25 @@ class RanksSource:
                     state = replace(state, lateness_seconds=lateness, lateness_samples=samples)
             out.append(state)
         return tuple(out)
+
+    def _learn(self, job_id: str, pg: _PGTrack, state: PGState, prev_completed: int | None,
+               prev_seen: dict[tuple[int, float], tuple[float, float]], mono: float) -> PGState:
+        """Feed this poll's evidence of the PG's normal wait to the learner; the state with its threshold.
+
+        Only a forward move of the completed sequence is a sample: a first sight or a counter that went back
+        (the rank restarted) restarts the gap instead, so neither a restart's downtime nor a clock step is
+        learned as a normal pause."""
+        key = (job_id, state.name)
+        completed = state.last_completed
+        if prev_completed is None or completed < prev_completed or pg.progress_mono is None:
+            pg.progress_mono = mono
+        elif completed > prev_completed:
+            self._thresholds.observe(key, mono - pg.progress_mono)
+            for (seq, _created), (age, first_mono) in prev_seen.items():
+                if prev_completed < seq <= completed:  # seen in flight, now complete: its wait, at most
+                    self._thresholds.observe(key, age + max(0.0, mono - first_mono))
+            pg.progress_mono = mono
+        return replace(state, stuck_threshold_seconds=self._thresholds.threshold(key))
 
     @staticmethod
     def _pg_state(entry: PGEntry, pg: _PGTrack, status: RawPGStatus, recorder: str, track: _RankTrack,

@@ -246,6 +246,36 @@ elif scenario == "soak":
         step += 1
         if step == 1:
             ready()
+elif scenario == "steady":
+    # A steady job for detection latency: every JOB_STEP_SECONDS an all_reduce on WORLD, then one on the
+    # pair {0,1} (ranks 0 and 1). Faults, from control files: "idle": rank JOB_VICTIM stops calling
+    # collectives and sleeps (an empty data queue); "kill": it SIGKILLs itself; "deadlock": rank 0 takes
+    # the pair op before the WORLD op, so it waits for rank 1 in the pair while rank 1 waits for it in WORLD.
+    import threading
+
+    threading.Thread(target=lambda: (idle(), os._exit(0)), daemon=True).start()
+    pair = dist.new_group([0, 1], group_desc="pair01")
+    step_seconds = float(os.environ.get("JOB_STEP_SECONDS", "0.1"))
+    first = True
+    while True:
+        time.sleep(step_seconds)
+        if rank == victim and os.path.exists(os.path.join(control, "idle")):
+            ready("idled")
+            idle()
+            os._exit(0)
+        if rank == victim and os.path.exists(os.path.join(control, "kill")):
+            ready("killing")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 0 and os.path.exists(os.path.join(control, "deadlock")):
+            ready("deadlocked")
+            dist.all_reduce(t, group=pair)
+        t.fill_(1.0)
+        dist.all_reduce(t)
+        if rank in (0, 1):
+            dist.all_reduce(t, group=pair)
+        if first:
+            ready()
+            first = False
 else:
     raise SystemExit(f"unknown scenario {scenario}")
 

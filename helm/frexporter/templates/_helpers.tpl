@@ -159,6 +159,10 @@ a Kubernetes native sidecar (an init container with restartPolicy Always, 1.29+)
     - {{ toString $v.exporter.pollInterval | quote }}
     - --stuck-after
     - {{ toString $v.exporter.stuckAfter | quote }}
+    - --stuck-floor
+    - {{ toString $v.exporter.stuckFloor | quote }}
+    - --stuck-multiple
+    - {{ toString $v.exporter.stuckMultiple | quote }}
     - --rank-timeout
     - {{ toString $v.exporter.rankTimeout | quote }}
     - --deep-interval
