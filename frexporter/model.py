@@ -246,6 +246,46 @@ DURATION_BUCKETS: tuple[float, ...] = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05,
                                        600.0)
 
 
+# ---------------------------------------------------------------- verdicts (the analysis fills these)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str
+    job_id: str
+    pg: str  # cross-rank PG name; "" when no PG is involved
+    pg_desc: str
+    ranks: tuple[int, ...]  # culprits
+    waiting_ranks: tuple[int, ...]
+    seq: int  # collective-domain seq; NO_SEQ when none
+    op: str  # as FR names it; "" when unknown
+    since: float | None  # unix seconds
+    age_seconds: float | None
+    timeout_seconds: float | None
+    budget_used: float | None  # age / timeout
+    summary: str
+    details: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    activity: Mapping[str, Activity] = field(default_factory=dict, hash=False)  # culprit rank -> what it does
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "job_id": self.job_id, "pg": self.pg, "pg_desc": self.pg_desc,
+            "ranks": list(self.ranks), "waiting_ranks": list(self.waiting_ranks), "seq": self.seq, "op": self.op,
+            "since": self.since, "age_seconds": self.age_seconds, "timeout_seconds": self.timeout_seconds,
+            "budget_used": self.budget_used, "summary": self.summary, "details": _jsonable(self.details),
+            "activity": {rank: a.to_json() for rank, a in self.activity.items()},
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value) if isinstance(value, (set, frozenset)) else value
+        return [_jsonable(v) for v in items]
+    return value
+
+
 @dataclass(frozen=True)
 class CollectiveStats:
     """Completed collectives of one (job, PG, op) on this node, or of one rank with per-rank durations on.
@@ -284,7 +324,7 @@ class NodeSnapshot:
     ranks: tuple[RankState, ...]
     sources: tuple[SourceStatus, ...]
     gpus: GpuReading | None = None  # when the NVML source is on and up
-    verdicts: tuple[Any, ...] = ()  # frexporter.analysis.verdicts.Verdict
+    verdicts: tuple[Verdict, ...] = ()
     collectives: tuple[CollectiveStats, ...] = ()
 
     @staticmethod

@@ -30,7 +30,7 @@ from tests.harness import REPO
 
 CASES = fr_cases.all_cases()
 VERDICT_FIELDS = {"kind", "job_id", "pg", "pg_desc", "ranks", "waiting_ranks", "seq", "op", "since", "age_seconds",
-                  "timeout_seconds", "budget_used", "summary", "details"}
+                  "timeout_seconds", "budget_used", "summary", "details", "activity"}
 
 
 @pytest.fixture(scope="module")

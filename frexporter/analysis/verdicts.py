@@ -26,7 +26,7 @@ GPU facts attached to every verdict whose ranks run on its GPUs (``gpu``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from frexporter import defaults
@@ -51,11 +51,11 @@ from frexporter.model import (
     RANK_DOWN,
     RANK_OK,
     RANK_UNRESPONSIVE,
-    Activity,
     InflightCollective,
     NodeSnapshot,
     PGState,
     RankState,
+    Verdict,
 )
 
 MISSING_RANK = "missing_rank"
@@ -91,43 +91,6 @@ class VerdictConfig:
     straggler_min_lateness: float = StragglerConfig.min_lateness
     straggler_factor: float = StragglerConfig.factor
     straggler_min_samples: int = StragglerConfig.min_samples
-
-
-@dataclass(frozen=True)
-class Verdict:
-    kind: str
-    job_id: str
-    pg: str  # cross-rank PG name; "" when no PG is involved
-    pg_desc: str
-    ranks: tuple[int, ...]  # culprits
-    waiting_ranks: tuple[int, ...]
-    seq: int  # collective-domain seq; NO_SEQ when none
-    op: str  # as FR names it; "" when unknown
-    since: float | None  # unix seconds
-    age_seconds: float | None
-    timeout_seconds: float | None
-    budget_used: float | None  # age / timeout
-    summary: str
-    details: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    activity: Mapping[str, Activity] = field(default_factory=dict, hash=False)  # culprit rank -> what it does
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind, "job_id": self.job_id, "pg": self.pg, "pg_desc": self.pg_desc,
-            "ranks": list(self.ranks), "waiting_ranks": list(self.waiting_ranks), "seq": self.seq, "op": self.op,
-            "since": self.since, "age_seconds": self.age_seconds, "timeout_seconds": self.timeout_seconds,
-            "budget_used": self.budget_used, "summary": self.summary, "details": _jsonable(self.details),
-            "activity": {rank: a.to_json() for rank, a in self.activity.items()},
-        }
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = sorted(value) if isinstance(value, (set, frozenset)) else value
-        return [_jsonable(v) for v in items]
-    return value
 
 
 def budget_left(verdict: Verdict) -> float | None:
