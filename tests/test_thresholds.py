@@ -13,7 +13,7 @@ from frexporter.analysis import VerdictConfig, evaluate, make_analyzer
 from frexporter.analysis.findings import FindingsConfig, waits_in_progress
 from frexporter.analysis.verdicts import MISSING_RANK
 from frexporter.exporter import Exporter
-from frexporter.model import NodeSnapshot, RankState
+from frexporter.model import ACTIVITY_BUSY, ACTIVITY_IDLE, Activity, NodeSnapshot, RankState
 from frexporter.outputs.api import status_html, status_json
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from frexporter.sources.thresholds import ThresholdConfig, ThresholdLearner, quantile, stuck_threshold
@@ -184,6 +184,13 @@ def test_verdict_uses_the_shortest_learned_threshold_capped_by_stuck_after() -> 
     assert evaluate(learned({0: 20.0}, 15.0), NOW, NODE) == ()
     # A learned threshold above --stuck-after never delays the verdict past it.
     assert [v.ranks for v in evaluate(learned({0: 600.0}, 61.0), NOW, NODE)] == [(3,)]
+    # Activity decides patience: a culprit busy computing gets --stuck-after, an idle one the learned threshold.
+    def doing(state: str, age: float) -> list[RankState]:
+        return [replace(r, activity=Activity(state=state)) if r.rank == 3 else r for r in learned({0: 10.0}, age)]
+
+    assert evaluate(doing(ACTIVITY_BUSY, 15.0), NOW, NODE) == ()
+    assert [v.ranks for v in evaluate(doing(ACTIVITY_BUSY, 61.0), NOW, NODE)] == [(3,)]
+    assert [v.ranks for v in evaluate(doing(ACTIVITY_IDLE, 15.0), NOW, NODE)] == [(3,)]
     # Below the threshold the wait is shown with it.
     waits = waits_in_progress(learned({0: 20.0}, 15.0), NOW, FindingsConfig(NODE.stuck_after, False))
     assert [(w.waiting, w.blockers, w.threshold_seconds, round(w.waited_seconds or 0)) for w in waits] == [
