@@ -89,7 +89,9 @@ def open_regular(name: str, dir_fd: int | None = None, what: str | None = None) 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise SpoolError("foreign", f"{shown}: not a regular file")
-        if st.st_nlink != 1:
+        # A second name may be a file from outside the spool linked in. No name at all is the version a writer
+        # replaced between our open and this fstat: its content was the spool's, so it is read like any other.
+        if st.st_nlink > 1:
             raise SpoolError("foreign", f"{shown}: has {st.st_nlink} names (a hard link from elsewhere?); refused")
     except OSError as e:
         os.close(fd)
