@@ -196,6 +196,9 @@ class PGState:
     # Seconds a collective of this PG may wait before it counts as stuck, learned from the PG's history
     # (frexporter/sources/thresholds.py); None where nobody learned one (dumps, old series): the fixed one.
     stuck_threshold_seconds: float | None = None
+    # The ceiling of that threshold (--stuck-after): what a wait on a culprit that is busy computing gets
+    # (docs/detection.md, "Activity decides patience"); None where no exporter set one.
+    stuck_ceiling_seconds: float | None = None
 
     @property
     def size(self) -> int:

@@ -48,6 +48,10 @@ RANK_INFO = PREFIX + "rank_info"
 RANK_UP = PREFIX + "rank_up"
 RANK_HEARTBEAT_TIMESTAMP_SECONDS = PREFIX + "rank_heartbeat_timestamp_seconds"
 RANK_RECORDER_ERRORS_TOTAL = PREFIX + "rank_recorder_errors_total"
+# What the rank is doing (label `state`, one of model.ACTIVITY_STATES; one series per rank, the current
+# state), valued the unix time that state began. The desync rule holds a busy culprit to the ceiling.
+RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS = PREFIX + "rank_activity_since_timestamp_seconds"
+L_STATE = "state"
 # Per job and node: the world size its local ranks state, so that rules can count the ranks reporting
 # (frexporter_rank_info, over every node) against the ranks expected (FrexporterRankAbsent).
 JOB_WORLD_SIZE = PREFIX + "job_world_size"
@@ -63,6 +67,7 @@ PG_INFLIGHT_COLLECTIVES = PREFIX + "pg_inflight_collectives"
 PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS = PREFIX + "pg_oldest_inflight_start_timestamp_seconds"
 PG_TIMEOUT_SECONDS = PREFIX + "pg_timeout_seconds"
 PG_STUCK_THRESHOLD_SECONDS = PREFIX + "pg_stuck_threshold_seconds"  # learned, docs/detection.md
+PG_STUCK_CEILING_SECONDS = PREFIX + "pg_stuck_ceiling_seconds"  # --stuck-after: a busy culprit's threshold
 PG_LAST_PROGRESS_TIMESTAMP_SECONDS = PREFIX + "pg_last_progress_timestamp_seconds"
 
 # Collectives
@@ -82,6 +87,7 @@ VERDICT = PREFIX + "verdict"
 RANK_LABELS = (L_JOB_ID, L_RANK)
 JOB_LABELS = (L_JOB_ID,)
 PG_LABELS = (L_JOB_ID, L_RANK, L_PG, L_PG_DESC)
+RANK_ACTIVITY_LABELS = (L_JOB_ID, L_RANK, L_STATE)
 RANK_INFO_LABELS = (
     L_JOB_ID,
     L_RANK,

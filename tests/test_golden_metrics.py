@@ -10,8 +10,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from frexporter import __version__
 from frexporter.model import (
+    ACTIVITY_IDLE,
     RANK_OK,
     RANK_UNRESPONSIVE,
+    Activity,
     CollectiveStats,
     EccErrors,
     GpuReading,
@@ -34,7 +36,8 @@ def pg(name: str, desc: str, enq: int, done: int, inflight: tuple[InflightCollec
                    last_completed=done, inflight=inflight, inflight_count=enq - done, timeout_seconds=1800.0,
                    last_progress=progress, exact=True, has_p2p=False, lateness_seconds=lateness,
                    lateness_samples=0 if lateness is None else 200,
-                   stuck_threshold_seconds=10.0 if name == "0" else None)
+                   stuck_threshold_seconds=10.0 if name == "0" else None,
+                   stuck_ceiling_seconds=60.0 if name == "0" else None)
 
 
 def fixed_snapshot() -> NodeSnapshot:
@@ -45,7 +48,9 @@ def fixed_snapshot() -> NodeSnapshot:
                   torch_version="2.13.0+cpu", gpu_uuid="GPU-aaaa", status=RANK_OK, heartbeat=1700000200.0,
                   heartbeat_age=0.2, socket_alive=None,
                   pgs=(pg("0", "default_pg", 8, 7, (stuck,)), pg("1", "tp", 3, 3, lateness=0.0)),
-                  recorder_errors={"OSError": 2}),
+                  recorder_errors={"OSError": 2},
+                  activity=Activity(state=ACTIVITY_IDLE, frames=(("wait_for_data", "train.py", 40),),
+                                    cpu_percent=1.5, since=1700000180.0)),
         RankState(job_id="llm", rank=1, local_rank=1, world_size=2, hostname="node-a", pid=102,
                   torch_version="2.13.0+cpu", gpu_uuid="GPU-bbbb", status=RANK_UNRESPONSIVE,
                   heartbeat=1700000150.0, heartbeat_age=50.2, socket_alive=True,

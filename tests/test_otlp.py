@@ -145,6 +145,8 @@ EXPECTED_NAMES = {
     n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS: ("frexporter.pg.oldest_inflight_start_timestamp", "s", "gauge"),
     n.PG_TIMEOUT_SECONDS: ("frexporter.pg.timeout", "s", "gauge"),
     n.PG_STUCK_THRESHOLD_SECONDS: ("frexporter.pg.stuck_threshold", "s", "gauge"),
+    n.PG_STUCK_CEILING_SECONDS: ("frexporter.pg.stuck_ceiling", "s", "gauge"),
+    n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS: ("frexporter.rank.activity_since_timestamp", "s", "gauge"),
     n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS: ("frexporter.pg.last_progress_timestamp", "s", "gauge"),
     n.COLLECTIVE_BYTES_TOTAL: ("frexporter.collective.bytes", "By", "counter"),
     n.COLLECTIVE_DURATION_SECONDS: ("frexporter.collective.duration", "s", "histogram"),

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from frexporter import naming as n
-from frexporter.model import RANK_OK, NodeSnapshot, PGState, RankState, SourceStatus
+from frexporter.model import ACTIVITY_IN_COLLECTIVE, RANK_OK, Activity, NodeSnapshot, PGState, RankState, SourceStatus
 from frexporter.outputs.prometheus import SnapshotCollector
 
 SERIES_BUDGET_PER_RANK = 40
@@ -47,7 +47,9 @@ def reference_node(node: int = 1) -> NodeSnapshot:
         ranks.append(RankState(job_id="llm", rank=rank, local_rank=local_rank, world_size=NODES * RANKS_PER_NODE,
                                hostname="node-1", pid=1000 + rank, torch_version="2.13.0", gpu_uuid=f"GPU-{rank}",
                                status=RANK_OK, heartbeat=NOW - 0.3, heartbeat_age=0.3, socket_alive=True,
-                               pgs=tuple(pgs)))
+                               pgs=tuple(pgs),
+                               activity=Activity(state=ACTIVITY_IN_COLLECTIVE, frames=(), cpu_percent=100.0,
+                                                 since=NOW - 0.2)))
     sources = (SourceStatus(name=n.SOURCE_RANKS, up=True, duration_seconds=0.002, errors_total={},
                             last_success=NOW),)
     return NodeSnapshot(time=NOW, hostname="node-1", ranks=tuple(ranks), sources=sources)
@@ -76,5 +78,6 @@ def test_reference_node_is_what_it_claims() -> None:
 def test_series_per_rank_within_budget() -> None:
     per_rank, by_family = series_per_rank(reference_node())
     assert by_family[n.RANK_STRAGGLER_LATENESS_SECONDS] == RANKS_PER_NODE * len(SHARED_PGS), by_family
+    assert by_family[n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS] == RANKS_PER_NODE, by_family
     assert per_rank <= SERIES_BUDGET_PER_RANK, (
         f"{per_rank:g} series per rank over the budget of {SERIES_BUDGET_PER_RANK}: {dict(by_family)}")

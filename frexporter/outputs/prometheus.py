@@ -22,13 +22,14 @@ def _pg_labels(rank: RankState, pg: PGState) -> list[str]:
 class _PGFacts:
     """A PG's static facts across this node's ranks (they agree unless a rank is mid-restart)."""
 
-    __slots__ = ("backend", "size", "threshold", "timeout")
+    __slots__ = ("backend", "ceiling", "size", "threshold", "timeout")
 
     def __init__(self) -> None:
         self.size = 0
         self.backend = ""
         self.timeout: float | None = None
         self.threshold: float | None = None
+        self.ceiling: float | None = None
 
     def add(self, pg: PGState) -> None:
         self.size = max(self.size, pg.size)
@@ -39,6 +40,9 @@ class _PGFacts:
         if pg.stuck_threshold_seconds is not None:
             learned = pg.stuck_threshold_seconds
             self.threshold = learned if self.threshold is None else min(self.threshold, learned)
+        if pg.stuck_ceiling_seconds is not None:
+            ceiling = pg.stuck_ceiling_seconds
+            self.ceiling = ceiling if self.ceiling is None else min(self.ceiling, ceiling)
 
 
 class SnapshotCollector(Collector):
@@ -93,6 +97,10 @@ class SnapshotCollector(Collector):
         rec_errors = CounterMetricFamily(n.RANK_RECORDER_ERRORS_TOTAL,
                                          "Errors the in-rank recorder met, by reason.",
                                          labels=[*n.RANK_LABELS, n.L_REASON])
+        activity = GaugeMetricFamily(n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS,
+                                     "Unix time the rank's current activity began; `state` is what it is doing "
+                                     "(in_collective, busy, idle, wedged, gone, unknown).",
+                                     labels=list(n.RANK_ACTIVITY_LABELS))
         world = GaugeMetricFamily(n.JOB_WORLD_SIZE, "Ranks in the job, as its ranks on this node state it (the "
                                   "largest); absent before any of them knows.", labels=list(n.JOB_LABELS))
         worlds: dict[str, int] = {}
@@ -107,9 +115,11 @@ class SnapshotCollector(Collector):
                 heartbeat.add_metric(key, r.heartbeat)
             for reason, count in sorted(r.recorder_errors.items()):
                 rec_errors.add_metric([*key, reason], count)
+            if r.activity.since is not None:
+                activity.add_metric([*key, r.activity.state], r.activity.since)
         for job_id, size in sorted(worlds.items()):
             world.add_metric([job_id], size)
-        yield from (info, up, heartbeat, rec_errors, world)
+        yield from (info, up, heartbeat, rec_errors, activity, world)
 
     @staticmethod
     def _pgs(snap: NodeSnapshot) -> Iterator[Metric]:
@@ -133,6 +143,10 @@ class SnapshotCollector(Collector):
                                       "Seconds a collective of the process group may wait before it counts as "
                                       "stuck, learned from its history (docs/detection.md).",
                                       labels=list(n.PG_STATIC_LABELS))
+        ceiling = GaugeMetricFamily(n.PG_STUCK_CEILING_SECONDS,
+                                    "Seconds a collective of the process group may wait on a culprit that is "
+                                    "busy computing before it counts as stuck (--stuck-after, the learned "
+                                    "threshold's ceiling).", labels=list(n.PG_STATIC_LABELS))
         progress = GaugeMetricFamily(n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS,
                                      "Unix time the completed sequence last advanced (first seen: the newest "
                                      "completed collective's creation time, a lower bound).", labels=labels)
@@ -172,7 +186,10 @@ class SnapshotCollector(Collector):
                 timeout.add_metric([job_id, name, desc], facts.timeout)
             if facts.threshold is not None:
                 threshold.add_metric([job_id, name, desc], facts.threshold)
-        yield from (info, enq, started, done, inflight, oldest, timeout, threshold, progress, straggler, straggler_old)
+            if facts.ceiling is not None:
+                ceiling.add_metric([job_id, name, desc], facts.ceiling)
+        yield from (info, enq, started, done, inflight, oldest, timeout, threshold, ceiling, progress, straggler,
+                    straggler_old)
 
     @staticmethod
     def _collectives(snap: NodeSnapshot) -> Iterator[Metric]:

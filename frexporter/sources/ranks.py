@@ -766,7 +766,8 @@ class RanksSource:
                 if prev_completed < seq <= completed:  # seen in flight, now complete: its wait, at most
                     self._thresholds.observe(key, age + max(0.0, mono - first_mono))
             pg.progress_mono = mono
-        return replace(state, stuck_threshold_seconds=self._thresholds.threshold(key))
+        return replace(state, stuck_threshold_seconds=self._thresholds.threshold(key),
+                       stuck_ceiling_seconds=self._thresholds.config.ceiling)
 
     @staticmethod
     def _pg_state(entry: PGEntry, pg: _PGTrack, status: RawPGStatus, recorder: str, track: _RankTrack,
