@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 from frexporter.analysis.matching import Mismatch, find_mismatch
 from frexporter.model import (
-    ACTIVITY_BUSY,
     RANK_DOWN,
     RANK_EXITED,
     RANK_OK,
@@ -276,9 +275,10 @@ def _finding(group: _Group, ranks: Mapping[int, RankState], cond: Mapping[int, s
     since, timeout, proven = _timing(group, observed, waiting, seq, now)
     threshold = pg_threshold(group.states.values(), config.stuck_after)
     if missing and not down and not (config.complete_view and unobserved) and all(
-            observed[r].activity.state == ACTIVITY_BUSY for r in missing):
-        # Every rank the others wait for is computing (a checkpoint, an evaluation): patience up to --stuck-after.
-        # A culprit that is idle, gone, wedged or blocked elsewhere gets the learned threshold.
+            observed[r].activity.held_busy(now) for r in missing):
+        # Every rank the others wait for is computing (a checkpoint, an evaluation), or was within
+        # model.BUSY_HOLD_SECONDS: patience up to --stuck-after. A culprit that is idle, gone, wedged or blocked
+        # elsewhere gets the learned threshold.
         threshold = config.stuck_after
     return Finding(
         job_id=group.job_id, pg=group.name, pg_desc=group.desc, members=members, seq=seq,
