@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from frexporter import spool
 from frexporter.analysis.activity import describe
@@ -129,3 +132,15 @@ def test_recorder_stack_sample_is_bounded_and_parses() -> None:
     function, path, line = snap.stack[1]  # [0] is the sampler's own frame, here on the sampled thread
     assert function == "deep_100pct" and line == 2
     assert path.endswith("/caf\\udce9%s.py") and len(path) == spool.MAX_FRAME_TEXT_CHARS
+
+
+def test_stacks_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from frexporter.recorder.publisher import Publisher, stacks_enabled
+
+    assert stacks_enabled({}) and stacks_enabled({"FREXPORTER_STACKS": "1"})
+    assert not any(stacks_enabled({"FREXPORTER_STACKS": v}) for v in ("0", "false", "No", " off "))
+    monkeypatch.setenv("FREXPORTER_STACKS", "0")
+    assert Publisher(str(tmp_path), "j", 1.0)._sample_stack() == b""
+    monkeypatch.delenv("FREXPORTER_STACKS")
+    # The recorder samples the main thread, which is the one running this test.
+    assert b'"test_stacks_can_be_turned_off"' in Publisher(str(tmp_path), "j", 1.0)._sample_stack()
