@@ -25,7 +25,7 @@ import pytest
 
 from frexporter import naming as n
 from frexporter.analysis.verdicts import MISSING_RANK, RANK_ABSENT, VerdictConfig, evaluate
-from frexporter.model import RANK_OK, RANK_UNRESPONSIVE
+from frexporter.model import ACTIVITY_IN_COLLECTIVE, RANK_OK, RANK_UNRESPONSIVE
 from frexporter.postmortem import prometheus, report
 from tests.harness import REPO, Job, require_module, wait_for
 from tests.promstack import SCALE, PromStack
@@ -200,6 +200,14 @@ def test_every_dashboard_query_returns_data_for_a_desync(
         empty = "\n".join(f"  {uid} / {title}: {expr}" for expr, (uid, title) in pending.items())
         raise AssertionError(f"{len(pending)} of {len(chosen)} queries returned no data:\n{empty}") from None
     _assert_alive(job)
+    # What the culprit is doing, where on-call reads it: rank 3 skipped ahead and blocks in WORLD.
+    (verdicts,) = [expr for uid, title, expr in chosen if (uid, title) == (generate.UID_JOB, "Open verdicts")]
+    rows = [row for row in promstack.query(verdicts) if row["metric"][n.L_RANK] == "3"]
+    assert rows and {row["metric"][n.L_STATE] for row in rows} == {ACTIVITY_IN_COLLECTIVE}, rows
+    assert all(float(row["value"][1]) >= 0 for row in rows), rows  # seconds in that state, not the NaN fallback
+    (activity,) = [expr for uid, title, expr in chosen if (uid, title) == (generate.UID_RANK, "Activity")]
+    (code,) = promstack.query(activity)
+    assert float(code["value"][1]) == generate.ACTIVITY_STYLE[ACTIVITY_IN_COLLECTIVE][0], code
     # The ones left out must still be valid PromQL for this Prometheus (an empty answer, not an error).
     for _, _, expr in every:
         promstack.query(expr)
