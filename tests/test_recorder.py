@@ -197,3 +197,45 @@ def test_destroyed_and_recreated_process_group_is_published_again(tmp_path: Path
     out = python(code, FREXPORTER_SNAPSHOT_INTERVAL="0.05")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["0", "1 {}"]
+
+
+def test_stack_is_sampled_only_while_the_rank_makes_no_collective_progress(tmp_path: Path) -> None:
+    # A rank that completes collectives is nobody's culprit: its snapshots carry no stack, and training pays
+    # nothing for one. Once it stops (here: parked in a named function), the stack comes within two snapshots.
+    code = (
+        "import os, time, json\n"
+        "from frexporter import spool\n"
+        "from frexporter.recorder import install\n"
+        f"pub = install({str(tmp_path)!r})\n"
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "t = torch.ones(4)\n"
+        "deadline = time.time() + 60\n"
+        "def snap():\n"
+        "    while time.time() < deadline:\n"
+        "        try:\n"
+        "            path = next(p for p in os.listdir(pub.directory) if p.endswith(spool.SNAPSHOT_MAP_SUFFIX))\n"
+        "            return spool.read_snapshot_map(os.path.join(pub.directory, path))\n"
+        "        except (StopIteration, spool.SpoolError): time.sleep(0.01)\n"
+        "progressing = {}\n"
+        "while len(progressing) < 10 and time.time() < deadline:\n"
+        "    dist.all_reduce(t)\n"
+        "    s = snap(); progressing[s['counter']] = len(s['stack'])\n"
+        "def parked_in_this_function():\n"
+        "    while time.time() < deadline:\n"
+        "        s = snap()\n"
+        "        if s['stack']: return s['stack']\n"
+        "        time.sleep(0.01)\n"
+        "stack = parked_in_this_function()\n"
+        "print(json.dumps({'progressing': progressing, 'stack': stack}))\n"
+        "os._exit(0)\n"
+    )
+    out = python(code, FREXPORTER_SNAPSHOT_INTERVAL="0.05")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # The first snapshot after the process group appears is written whole, with a stack, before it is known
+    # whether the rank progresses; every later one while all_reduce runs has none.
+    later = {int(counter): frames for counter, frames in result["progressing"].items()}
+    later.pop(min(later))
+    assert len(later) >= 9 and set(later.values()) == {0}, result
+    assert "parked_in_this_function" in [frame[0] for frame in result["stack"]], result["stack"]

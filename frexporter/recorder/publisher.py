@@ -251,6 +251,12 @@ class Publisher:
         read = self._status.read
         stack, cpu_ns = self._sample_stack, time.process_time_ns
 
+        # The stack is sampled only when torch's status is what it was at the previous snapshot: no collective
+        # was enqueued or completed since, so this rank may be one the others wait for (computing, waiting, or
+        # blocked in a collective itself). A rank that progresses is nobody's culprit, and training pays
+        # nothing for its stack: one comparison of bytes.
+        last: list[Any] = [None]
+
         def snapshot() -> bool:
             if len(names) != count:
                 return False
@@ -259,9 +265,12 @@ class Publisher:
                 raw = dump(False)  # includeCollectives=False: pg_status and pg_config only
                 if raw[:1] != b"{" or raw[-1:] != b"}":
                     raw = checked(raw)
-                payload = fmt % (n, time_ns(), cpu_ns(), stack(), raw)
+                payload = fmt % (n, time_ns(), cpu_ns(), stack() if raw == last[0] else b"", raw)
+                last[0] = raw
             else:
-                payload = fmt % (n, time_ns(), cpu_ns(), stack(), *read())
+                raws = read()
+                payload = fmt % (n, time_ns(), cpu_ns(), stack() if raws == last[0] else b"", *raws)
+                last[0] = raws
             with lock:
                 if not update(payload):  # also after stop(): it closes the map under this lock
                     return False
