@@ -3,7 +3,9 @@
 One stack per test session (Prometheus 2.42 waits about 5 s before its first scrape, so starting one
 per test would dominate the run time): Prometheus scrapes one fixed loopback port reserved for the
 session, where each test starts its own exporter, and evaluates ``render_rules(SCALE)``; Alertmanager
-posts every notification to an in-process webhook receiver that records it.
+posts every notification to an in-process webhook receiver that records it. With ``hold_busy`` it routes as
+docs/detection.md recommends instead ("Routing busy culprits"): alerts whose culprit is busy computing go to
+a second receiver, ``stack.hold``, everything else to ``stack.webhook`` (the pager).
 
 Register with ``pytest_plugins = ["tests.promstack"]`` in tests/conftest.py and take the ``promstack``
 fixture. Missing binaries skip the tests, unless FREXPORTER_REQUIRE_TOOLS=1. Outside pytest (benchmarks),
@@ -45,6 +47,11 @@ SCRAPE_JOB = "frexporter"  # FrexporterExporterDown selects exporters by a job n
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 HTTP_TIMEOUT_S = 5.0
+# The child route of docs/detection.md ("Routing busy culprits"; tests/test_busy_routing.py checks that the
+# docs show these routes): a desync whose culprit computes (a checkpoint) is held, not paged.
+HOLD_RECEIVER = "hold"
+PAGE_RECEIVER = "page"
+HOLD_BUSY_ROUTES = [{"receiver": HOLD_RECEIVER, "matchers": ['culprit_state="busy"']}]
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,8 @@ class Notification:
 class WebhookReceiver:
     """Records every Alertmanager webhook POST, in arrival order."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str = "/hook") -> None:
+        self._path = path
         self._lock = threading.Lock()
         self._posts: list[tuple[float, dict[str, Any]]] = []
         receiver = self
@@ -87,7 +95,7 @@ class WebhookReceiver:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/hook"
+        return f"http://127.0.0.1:{self._server.server_address[1]}{self._path}"
 
     def start(self) -> None:
         self._thread.start()
@@ -150,14 +158,15 @@ class PromStack:
     """Handles of a running Prometheus + Alertmanager + webhook receiver."""
 
     def __init__(self, workdir: Path, prometheus: str, alertmanager: str, scale: float = SCALE,
-                 interval: float = INTERVAL_S) -> None:
+                 interval: float = INTERVAL_S, hold_busy: bool = False) -> None:
         self.workdir = workdir
         self.scale = scale
         self.interval = interval
         self.exporter_port = free_port()
         self.prom_url = f"http://127.0.0.1:{free_port()}"
         self.am_url = f"http://127.0.0.1:{free_port()}"
-        self.webhook = WebhookReceiver()
+        self.webhook = WebhookReceiver()  # every notification, or with hold_busy those that page
+        self.hold = WebhookReceiver("/hold") if hold_busy else None
         self._bins = (prometheus, alertmanager)
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
@@ -166,16 +175,22 @@ class PromStack:
     def start(self) -> PromStack:
         prometheus, alertmanager = self._bins
         self.webhook.start()
+        if self.hold is not None:
+            self.hold.start()
         rules = self.workdir / "frexporter.rules.yml"
         rules.write_text(render_rules(self.scale), encoding="utf-8")
         am_config = self.workdir / "alertmanager.yml"
-        am_config.write_text(yaml.safe_dump({
-            # "..." groups by every label: one notification per alert, nothing held back for a sibling.
-            "route": {"receiver": "webhook", "group_by": ["..."], "group_wait": "1s", "group_interval": "1s",
-                      "repeat_interval": "1h"},
-            "receivers": [{"name": "webhook",
-                           "webhook_configs": [{"url": self.webhook.url, "send_resolved": True}]}],
-        }), encoding="utf-8")
+        # "..." groups by every label: one notification per alert, nothing held back for a sibling.
+        route: dict[str, Any] = {"receiver": "webhook", "group_by": ["..."], "group_wait": "1s",
+                                 "group_interval": "1s", "repeat_interval": "1h"}
+        receivers = [{"name": "webhook", "webhook_configs": [{"url": self.webhook.url, "send_resolved": True}]}]
+        if self.hold is not None:
+            route |= {"receiver": PAGE_RECEIVER, "routes": HOLD_BUSY_ROUTES}
+            receivers = [
+                {"name": PAGE_RECEIVER, "webhook_configs": [{"url": self.webhook.url, "send_resolved": True}]},
+                {"name": HOLD_RECEIVER, "webhook_configs": [{"url": self.hold.url, "send_resolved": True}]},
+            ]
+        am_config.write_text(yaml.safe_dump({"route": route, "receivers": receivers}), encoding="utf-8")
         prom_config = self.workdir / "prometheus.yml"
         prom_config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": f"{self.interval:g}s", "evaluation_interval": f"{self.interval:g}s",
@@ -228,6 +243,8 @@ class PromStack:
                 proc.kill()
                 proc.wait()
         self.webhook.stop()
+        if self.hold is not None:
+            self.hold.stop()
 
     # ---------------------------------------------------------------- queries
 
@@ -282,11 +299,12 @@ def binaries() -> tuple[str, str]:
 
 
 @contextmanager
-def running_stack(workdir: Path, scale: float = SCALE, interval: float = INTERVAL_S) -> Iterator[PromStack]:
+def running_stack(workdir: Path, scale: float = SCALE, interval: float = INTERVAL_S,
+                  hold_busy: bool = False) -> Iterator[PromStack]:
     """A started stack for the ``with`` block, stopped after it (also when it fails to start)."""
     prometheus, alertmanager = binaries()
     workdir.mkdir(parents=True, exist_ok=True)
-    stack = PromStack(workdir, prometheus, alertmanager, scale=scale, interval=interval)
+    stack = PromStack(workdir, prometheus, alertmanager, scale=scale, interval=interval, hold_busy=hold_busy)
     try:
         stack.start()
         yield stack
