@@ -167,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--prometheus", metavar="URL", help="query this Prometheus instead of reading files")
     analyze.add_argument("--job-id", default=None, help="restrict to one job (Prometheus)")
     analyze.add_argument("--stuck-after", type=float, default=None, metavar="SECONDS",
-                         help="wait before a collective counts as stuck (default: 0 for dumps, "
-                              f"{DEFAULT_STUCK_AFTER:.0f} for Prometheus)")
+                         help="wait before a collective counts as stuck (default: 0 for dumps; for Prometheus "
+                              "the thresholds the exporters export, as the alert rules use them, and "
+                              f"{DEFAULT_STUCK_AFTER:.0f} where none is exported); a number caps them")
     analyze.add_argument("--json", action="store_true", help="print the verdicts as a JSON list")
 
     demo = sub.add_parser("demo", help="a local 4-rank CPU job with an injected hang, watched by the exporter")
@@ -314,8 +315,7 @@ def _analyze(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("analyze needs either DIR or --prometheus URL")
     try:
         if args.prometheus:
-            stuck = DEFAULT_STUCK_AFTER if args.stuck_after is None else args.stuck_after
-            result = report.from_prometheus(args.prometheus, args.job_id, stuck)
+            result = report.from_prometheus(args.prometheus, args.job_id, args.stuck_after)
         else:
             result = report.from_dir(args.dir, 0.0 if args.stuck_after is None else args.stuck_after)
     except (dumpfiles.DumpError, prometheus.PrometheusError) as e:

@@ -114,6 +114,10 @@ ACTIVITY_GONE = "gone"  # heartbeat stale, socket dead
 ACTIVITY_UNKNOWN = "unknown"  # no stack (an older recorder, a dropped one) or not enough samples yet
 ACTIVITY_STATES = (ACTIVITY_IN_COLLECTIVE, ACTIVITY_BUSY, ACTIVITY_IDLE, ACTIVITY_WEDGED, ACTIVITY_GONE,
                    ACTIVITY_UNKNOWN)
+# A rank seen busy this recently still counts as busy when judging patience (the node verdict, analyze and
+# FrexporterCollectiveDesync's max_over_time(...[1m]), which tests/test_rules.py holds to this): a rank whose
+# CPU use hovers at the busy line would otherwise flip between the busy ceiling and the learned threshold.
+BUSY_HOLD_SECONDS = 60.0
 
 Frame = tuple[str, str, int]  # (function, file, line)
 
@@ -128,6 +132,11 @@ class Activity:
     frames: tuple[Frame, ...] = ()
     cpu_percent: float | None = None
     since: float | None = None
+    last_busy: float | None = None  # unix seconds the rank was last seen busy (now, while it is)
+
+    def held_busy(self, now: float) -> bool:
+        """Busy, or busy within BUSY_HOLD_SECONDS: a wait on this rank gets the --stuck-after patience."""
+        return self.state == ACTIVITY_BUSY or (self.last_busy is not None and now - self.last_busy <= BUSY_HOLD_SECONDS)
 
     def to_json(self) -> dict[str, Any]:
         return {"state": self.state,

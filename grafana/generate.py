@@ -50,6 +50,14 @@ from grafana_foundation_sdk.models import dashboard as mdash  # noqa: E402
 from grafana_foundation_sdk.models import prometheus as mprom  # noqa: E402
 
 from frexporter import naming as n  # noqa: E402
+from frexporter.model import (  # noqa: E402
+    ACTIVITY_BUSY,
+    ACTIVITY_GONE,
+    ACTIVITY_IDLE,
+    ACTIVITY_IN_COLLECTIVE,
+    ACTIVITY_UNKNOWN,
+    ACTIVITY_WEDGED,
+)
 
 if TYPE_CHECKING:
     from typing import Self
@@ -221,6 +229,38 @@ FIRING = 'alertstate="firing"'
 
 def _age(timestamp: str) -> str:
     return f"time() - {timestamp}"
+
+
+# Each activity state (label `state` of frexporter_rank_activity_since_timestamp_seconds): a number, for panels
+# that draw the state as a value (PromQL values are numbers), and a colour. Red: a rank its peers may be
+# waiting on that is not working towards them; orange: computing (the desync rule holds it to the ceiling);
+# blue: waiting in a collective itself. On a disagreement between exporters the higher number is shown.
+ACTIVITY_STYLE: dict[str, tuple[int, str]] = {
+    ACTIVITY_UNKNOWN: (0, "gray"),
+    ACTIVITY_IN_COLLECTIVE: (1, "blue"),
+    ACTIVITY_BUSY: (2, "orange"),
+    ACTIVITY_IDLE: (3, "light-red"),
+    ACTIVITY_WEDGED: (4, "red"),
+    ACTIVITY_GONE: (5, "dark-red"),
+}
+
+
+def _activity_code(*matchers: str) -> str:
+    """The selected rank's activity as one number (ACTIVITY_STYLE), for a stat or a state timeline."""
+    codes = " or ".join(
+        f"(0 * {_sel(n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS, *matchers, _eq(n.L_STATE, state))} + {code})"
+        for state, (code, _) in ACTIVITY_STYLE.items()
+    )
+    return f"max({codes})"
+
+
+def _activity_age(*matchers: str) -> str:
+    """Seconds each selected rank has been in its current activity; one series per (job_id, rank), with `state`.
+
+    bottomk keeps the freshest where two exporters report the rank, so that a join on it stays one-to-one.
+    """
+    age = _age(_sel(n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS, *matchers))
+    return f"bottomk {_by(n.L_JOB_ID, n.L_RANK)} (1, {age})"
 
 
 def _or_zero(expr: str) -> str:
@@ -412,6 +452,10 @@ def _mapping(values: Mapping[str, tuple[str, str]]) -> list[mdash.ValueMapping]:
 
 
 UP_MAPPING = _mapping({"0": ("DOWN", "red"), "1": ("UP", "green")})
+ACTIVITY_MAPPING = _mapping({str(code): (state, color) for state, (code, color) in ACTIVITY_STYLE.items()})
+ACTIVITY_LABEL_MAPPING = _mapping({state: (state, color) for state, (_, color) in ACTIVITY_STYLE.items()})
+# A neutral colour for durations that are neither good nor bad by themselves.
+NEUTRAL = _thresholds((None, "text"))
 LOST_MAPPING = _mapping({"0": ("OK", "green"), "1": ("LOST", "red")})
 THROTTLE_MAPPING = _mapping({"0": ("ok", "green"), "1": ("throttled", "orange")})
 
@@ -497,6 +541,18 @@ def _timeseries(
     return panel
 
 
+def _dashed(panel: bts.Panel, colors: Mapping[str, str]) -> bts.Panel:
+    """Draw the series of these legends as dashed reference lines in a fixed colour (thresholds, limits)."""
+    for legend, color in colors.items():
+        panel = panel.override_by_name(legend, [
+            mdash.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
+            mdash.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": color}),
+            # The panel's drill-down links name a series' rank or group; a reference line has neither.
+            mdash.DynamicConfigValue(id_val="links", value=[]),
+        ])
+    return panel
+
+
 def _stat(
     *,
     unit: str = "none",
@@ -532,19 +588,31 @@ def _table(
     sort_by: str | None = None,
     merge: bool = False,
     no_value: str | None = None,
+    mappings: Mapping[str, list[mdash.ValueMapping]] | None = None,
+    colored: Collection[str] = (),
 ) -> btable.Panel:
     """A table of instant queries: label columns plus one value column per query.
 
-    Columns are named (and hidden) by ``_Board.panel``, which knows the queries.
+    Columns are named (and hidden) by ``_Board.panel``, which knows the queries. ``mappings`` show a
+    column's values as text (and colour); the ``colored`` columns paint their cells in that colour.
     """
     panel = btable.Panel().cell_height(mcommon.TableCellHeight.SM).filterable(True)
     if merge:
         # Several instant queries keyed by the same labels become one row per key.
         panel = panel.with_transformation(mdash.DataTransformerConfig(id_val="merge", options={}))
+    # One override per column, so that a column's settings sit together in the JSON.
+    properties: dict[str, list[mdash.DynamicConfigValue]] = {}
     for column in links:
-        panel = panel.override_by_name(column, _cell_links(column))
+        properties.setdefault(column, []).extend(_cell_links(column))
     for column, unit in (units or {}).items():
-        panel = panel.override_by_name(column, [mdash.DynamicConfigValue(id_val="unit", value=unit)])
+        properties.setdefault(column, []).append(mdash.DynamicConfigValue(id_val="unit", value=unit))
+    for column, column_mappings in (mappings or {}).items():
+        properties.setdefault(column, []).append(mdash.DynamicConfigValue(id_val="mappings", value=column_mappings))
+    for column in colored:
+        cell = {"type": "color-background", "mode": "basic"}
+        properties.setdefault(column, []).append(mdash.DynamicConfigValue(id_val="custom.cellOptions", value=cell))
+    for column, values in properties.items():
+        panel = panel.override_by_name(column, values)
     if sort_by is not None:
         panel = panel.sort_by([bcommon.TableSortByFieldState().display_name(sort_by).desc(True)])
     if no_value is not None:
@@ -707,6 +775,8 @@ def variable_selectors(dashboard: Mapping[str, Any]) -> list[tuple[str, str]]:
 # Dashboards
 
 _PG_LEGEND = "{{pg_desc}} (pg {{pg}})"
+LEGEND_LEARNED = "learned threshold"
+LEGEND_CEILING = "busy culprit ceiling"
 _RANK_LEGEND = "rank {{rank}}"
 
 
@@ -788,22 +858,40 @@ def _job_dashboard() -> _Board:
     )
 
     b.row("Verdicts and alerts")
+    verdict_key = (n.L_KIND, n.L_RANK, n.L_PG, n.L_PG_DESC, n.L_OP, n.L_SEQ, n.L_CULPRIT_FUNCTION)
+    # The culprit's activity joined on; a culprit no exporter reports activity for (absent, its node's
+    # exporter gone) keeps its row, as "unknown" for an unknown time (NaN, shown as a dash).
+    with_activity = (
+        f"max {_by(*verdict_key, n.L_STATE)} ({_sel(n.VERDICT, JOB)} * on ({n.L_JOB_ID}, {n.L_RANK}) "
+        f"group_left ({n.L_STATE}) {_activity_age(JOB)})"
+    )
+    without_activity = (
+        f'label_replace(max {_by(*verdict_key)} ({_sel(n.VERDICT, JOB)} unless on ({n.L_JOB_ID}, {n.L_RANK}) '
+        f'{_sel(n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS, JOB)}) * NaN, "{n.L_STATE}", "{ACTIVITY_UNKNOWN}", "", "")'
+    )
     b.panel(
-        _table(links=(n.L_RANK, n.L_PG), no_value="No open verdicts"),
+        _table(
+            links=(n.L_RANK, n.L_PG),
+            no_value="No open verdicts",
+            units={"for": "s"},
+            mappings={
+                n.L_STATE: ACTIVITY_LABEL_MAPPING,
+                "for": [mdash.SpecialValueMap(options=mdash.DashboardSpecialValueMapOptions(
+                    match=mdash.SpecialValueMatch.NA_N, result=mdash.ValueMappingResult(text="-")))],
+            },
+            colored=(n.L_STATE,),
+        ),
         "Open verdicts",
         "One row per culprit rank: kind (missing_rank, mismatch, stalled, rank_down, rank_unresponsive, straggler), "
-        "the process group and the collective (op, seq). Click a rank or a process group to drill down; "
-        "GET /api/v1/status on the exporter has the one-sentence summary.",
-        [
-            Target(
-                f"max {_by(n.L_KIND, n.L_RANK, n.L_PG, n.L_PG_DESC, n.L_OP, n.L_SEQ)} ({_sel(n.VERDICT, JOB)})",
-                instant=True,
-            )
-        ],
+        "the process group and the collective (op, seq), the function the rank is in, and what it is doing now and "
+        "for how long: in_collective (waiting in another collective), busy (computing: FrexporterCollectiveDesync "
+        "waits for the ceiling and fires as info), idle, wedged (Python stopped), gone (process dead), unknown. "
+        "Click a rank or a process group to drill down; GET /api/v1/status on the exporter has the one-sentence "
+        "summary.",
+        [Target(f"{with_activity} or {without_activity}", instant=True, column="for")],
         width=14,
         height=8,
         table=True,
-        hide=("Value",),
     )
     b.panel(
         _table(links=("alertname",), no_value="No Frexporter alerts"),
@@ -1077,15 +1165,22 @@ def _pg_dashboard() -> _Board:
         width=8,
         height=8,
     )
+    # Per node, without a rank; the lowest is the one the exporters judge by.
+    learned = Target(f"min({_sel(n.PG_STUCK_THRESHOLD_SECONDS, *PG)})", legend=LEGEND_LEARNED)
+    ceiling = Target(f"min({_sel(n.PG_STUCK_CEILING_SECONDS, *PG)})", legend=LEGEND_CEILING)
     b.panel(
-        _timeseries(unit="s", links=[_series_link_rank()]),
+        _dashed(_timeseries(unit="s", links=[_series_link_rank()]), {LEGEND_LEARNED: "red", LEGEND_CEILING: "orange"}),
         "Oldest in-flight age per rank",
-        "How long each rank's oldest in-flight collective has waited. Only ranks with work in flight have a line.",
+        "How long each rank's oldest in-flight collective has waited. Only ranks with work in flight have a line. "
+        "Dashed: the group's stuck threshold learned from its history (a wait past it on an idle, wedged, gone or "
+        "blocked culprit is a hang) and the ceiling a wait on a busy culprit gets (--stuck-after).",
         [
             Target(
                 f"max {_by(n.L_RANK)} ({_age(_sel(n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, *PG))})",
                 legend=_RANK_LEGEND,
-            )
+            ),
+            learned,
+            ceiling,
         ],
         width=8,
         height=8,
@@ -1105,7 +1200,20 @@ def _pg_dashboard() -> _Board:
         "Since each rank last saw its completed sequence advance. Grows on every rank of an idle group too; "
         "read it together with the in-flight panels.",
         [Target(f"max {_by(n.L_RANK)} ({_age(_sel(n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS, *PG))})", legend=_RANK_LEGEND)],
-        width=24,
+        width=18,
+        height=8,
+    )
+    b.panel(
+        _stat(unit="s", text_mode=mcommon.BigValueTextMode.VALUE_AND_NAME),
+        "Stuck after",
+        "How long a collective of this group may wait before the exporters call it stuck: the threshold learned "
+        "from the group's history, where the culprit is idle, wedged, gone or blocked elsewhere, and the ceiling "
+        "(--stuck-after) where the culprit is busy computing (FrexporterCollectiveDesync then fires as info).",
+        [
+            Target(learned.expr, legend=learned.legend, instant=True),
+            Target(ceiling.expr, legend=ceiling.legend, instant=True),
+        ],
+        width=6,
         height=8,
     )
 
@@ -1185,6 +1293,35 @@ def _rank_dashboard() -> _Board:
         height=4,
         table=True,
         hide=("Value",),
+    )
+    b.panel(
+        _stat(mappings=ACTIVITY_MAPPING, no_value="not reported"),
+        "Activity",
+        "What the rank is doing now: in_collective (waiting in a torch.distributed call), busy (computing outside "
+        "collectives), idle (sleeping, blocked in I/O, a queue or a lock), wedged (its Python stopped answering), "
+        "gone (its process is dead), unknown (no stack sampled yet). A culprit that is busy gets its peers' "
+        "patience up to the ceiling (--stuck-after) before FrexporterCollectiveDesync fires, as info.",
+        [Target(_activity_code(*RANK), instant=True)],
+        width=3,
+        height=5,
+    )
+    b.panel(
+        _stat(unit="s", thresholds=NEUTRAL),
+        "In this activity for",
+        "Since the rank entered its current activity in the same function: a rank idle or busy for minutes while "
+        "its peers wait is where the job stands.",
+        [Target(f"min({_age(_sel(n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS, *RANK))})", instant=True)],
+        width=3,
+        height=5,
+    )
+    b.panel(
+        _state_timeline(ACTIVITY_MAPPING),
+        "Activity over time",
+        "The rank's activity over time: when it left its collectives, for what (busy computing, idle), and "
+        "whether it wedged or died.",
+        [Target(_activity_code(*RANK), legend="activity")],
+        width=18,
+        height=5,
     )
 
     b.row("Process groups of rank $rank")

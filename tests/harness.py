@@ -92,7 +92,10 @@ class Job:
     """World-size processes running tests/workers/job.py SCENARIO with the recorder installed."""
 
     def __init__(self, tmp: Path, scenario: str, world: int, job_id: str = "job",
-                 env: dict[str, str] | None = None, launcher_env: bool = False) -> None:
+                 env: dict[str, str] | None = None, launcher_env: bool = False,
+                 rank_env: dict[int, dict[str, str]] | None = None) -> None:
+        """``rank_env``: variables for single ranks on top of ``env`` (e.g. another FREXPORTER_DIR, as ranks on
+        another node publish to their own spool)."""
         self.scenario = scenario
         self.launcher_env = launcher_env
         self.world = world
@@ -101,6 +104,7 @@ class Job:
         self.control = tmp / "control"
         self.control.mkdir(parents=True, exist_ok=True)
         self.extra_env = env or {}
+        self.rank_env = rank_env or {}
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
 
@@ -119,10 +123,10 @@ class Job:
         for rank in range(self.world):
             log = self.control / f"rank{rank}.log"
             self.logs.append(log)
-            rank_env = env
+            rank_env = {**env, **self.rank_env.get(rank, {})}
             if self.launcher_env:
                 # What torchrun sets for its workers: one node of world ranks, this rank's place on it.
-                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world),
+                rank_env = {**rank_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world),
                             "LOCAL_WORLD_SIZE": str(self.world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                             "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": self.job_id}
             with open(log, "wb") as out:

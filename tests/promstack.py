@@ -1,8 +1,9 @@
 """A real Prometheus + Alertmanager on loopback for end-to-end tests of the shipped alert rules.
 
 One stack per test session (Prometheus 2.42 waits about 5 s before its first scrape, so starting one
-per test would dominate the run time): Prometheus scrapes one fixed loopback port reserved for the
-session, where each test starts its own exporter, and evaluates ``render_rules(SCALE)``; Alertmanager
+per test would dominate the run time): Prometheus scrapes fixed loopback ports reserved for the
+session (``exporter_port``, and ``exporter_ports[1]`` for a second node), where each test starts its own
+exporter(s), and evaluates ``render_rules(SCALE)``; Alertmanager
 posts every notification to an in-process webhook receiver that records it. With ``hold_busy`` it routes as
 docs/detection.md recommends instead ("Routing busy culprits"): alerts whose culprit is busy computing go to
 a second receiver, ``stack.hold``, everything else to ``stack.webhook`` (the pager).
@@ -158,11 +159,13 @@ class PromStack:
     """Handles of a running Prometheus + Alertmanager + webhook receiver."""
 
     def __init__(self, workdir: Path, prometheus: str, alertmanager: str, scale: float = SCALE,
-                 interval: float = INTERVAL_S, hold_busy: bool = False) -> None:
+                 interval: float = INTERVAL_S, exporters: int = 1, hold_busy: bool = False) -> None:
+        """``exporters``: loopback ports Prometheus scrapes, for as many exporters of one job (nodes)."""
         self.workdir = workdir
         self.scale = scale
         self.interval = interval
-        self.exporter_port = free_port()
+        self.exporter_ports = tuple(free_port() for _ in range(exporters))
+        self.exporter_port = self.exporter_ports[0]
         self.prom_url = f"http://127.0.0.1:{free_port()}"
         self.am_url = f"http://127.0.0.1:{free_port()}"
         self.webhook = WebhookReceiver()  # every notification, or with hold_busy those that page
@@ -198,7 +201,8 @@ class PromStack:
             "rule_files": [str(rules)],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [self.am_url.split("//")[1]]}]}]},
             "scrape_configs": [{"job_name": SCRAPE_JOB,
-                                "static_configs": [{"targets": [f"127.0.0.1:{self.exporter_port}"]}]}],
+                                "static_configs": [{"targets": [f"127.0.0.1:{port}"
+                                                                for port in self.exporter_ports]}]}],
         }), encoding="utf-8")
         self._spawn("alertmanager", [
             alertmanager, f"--config.file={am_config}", f"--storage.path={self.workdir / 'am-data'}",
@@ -265,19 +269,20 @@ class PromStack:
         found: list[dict[str, Any]] = _get_json(f"{self.prom_url}/api/v1/alerts")["data"]["alerts"]
         return [a for a in found if all(a["labels"].get(k) == v for k, v in labels.items())]
 
-    def wait_target_up(self, since: float, timeout: float = 20.0) -> None:
-        """Until Prometheus has scraped the exporter port successfully after unix time ``since``
-        (the first scrape after the stack starts takes about 5 s: target discovery is batched)."""
+    def wait_target_up(self, since: float, timeout: float = 20.0, port: int | None = None) -> None:
+        """Until Prometheus has scraped the exporter port (the first unless ``port``) successfully after unix
+        time ``since`` (the first scrape after the stack starts takes about 5 s: target discovery is batched)."""
+        port = self.exporter_port if port is None else port
 
         def up() -> bool:
             for target in _get_json(f"{self.prom_url}/api/v1/targets")["data"]["activeTargets"]:
-                if target["scrapeUrl"].startswith(f"http://127.0.0.1:{self.exporter_port}/") and (
+                if target["scrapeUrl"].startswith(f"http://127.0.0.1:{port}/") and (
                     target["health"] == "up" and _parse_rfc3339(target["lastScrape"]) > since
                 ):
                     return True
             return False
 
-        wait_for(up, timeout=timeout, interval=0.1, what=f"target 127.0.0.1:{self.exporter_port} up")
+        wait_for(up, timeout=timeout, interval=0.1, what=f"target 127.0.0.1:{port} up")
 
 
 class MissingTool(RuntimeError):
@@ -300,11 +305,12 @@ def binaries() -> tuple[str, str]:
 
 @contextmanager
 def running_stack(workdir: Path, scale: float = SCALE, interval: float = INTERVAL_S,
-                  hold_busy: bool = False) -> Iterator[PromStack]:
+                  exporters: int = 1, hold_busy: bool = False) -> Iterator[PromStack]:
     """A started stack for the ``with`` block, stopped after it (also when it fails to start)."""
     prometheus, alertmanager = binaries()
     workdir.mkdir(parents=True, exist_ok=True)
-    stack = PromStack(workdir, prometheus, alertmanager, scale=scale, interval=interval, hold_busy=hold_busy)
+    stack = PromStack(workdir, prometheus, alertmanager, scale=scale, interval=interval, exporters=exporters,
+                      hold_busy=hold_busy)
     try:
         stack.start()
         yield stack
@@ -318,5 +324,6 @@ def promstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromStack]:
         binaries()
     except MissingTool as e:
         missing(str(e))
-    with running_stack(tmp_path_factory.mktemp("promstack")) as stack:
+    # Two ports: a job split over two nodes is two exporters feeding one Prometheus (tests/test_two_exporters.py).
+    with running_stack(tmp_path_factory.mktemp("promstack"), exporters=2) as stack:
         yield stack

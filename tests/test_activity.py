@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from frexporter import spool
 from frexporter.analysis.activity import describe
-from frexporter.model import RANK_DOWN, RANK_OK, RANK_UNRESPONSIVE, Activity
+from frexporter.model import BUSY_HOLD_SECONDS, RANK_DOWN, RANK_OK, RANK_UNRESPONSIVE, Activity
 from frexporter.sources.activity import BUSY_CPU_PERCENT, classify, next_activity
 
 TORCH_WAIT = ("all_reduce", "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 2950)
@@ -36,6 +39,18 @@ def test_since_carries_over_while_state_and_headline_stay() -> None:
     assert c.since == 130.0  # same function, another line
     d = next_activity(c, RANK_OK, (("inner", "/job/train.py", 9), USER), 1.0, False, 170.0)
     assert (d.state, d.since) == ("idle", 170.0)
+
+
+def test_last_busy_is_kept_while_not_busy() -> None:
+    a = next_activity(None, RANK_OK, (USER,), 1.0, False, 100.0)
+    assert (a.state, a.last_busy, a.held_busy(100.0)) == ("idle", None, False)
+    b = next_activity(a, RANK_OK, (USER,), 99.0, False, 110.0)
+    assert (b.state, b.last_busy, b.held_busy(110.0)) == ("busy", 110.0, True)
+    c = next_activity(b, RANK_OK, (USER,), 99.0, False, 120.0)
+    assert (c.since, c.last_busy) == (110.0, 120.0)
+    d = next_activity(c, RANK_OK, (USER,), 1.0, False, 121.0)
+    assert (d.state, d.last_busy) == ("idle", 120.0)
+    assert d.held_busy(120.0 + BUSY_HOLD_SECONDS) and not d.held_busy(120.0 + BUSY_HOLD_SECONDS + 1)
 
 
 def test_headline_skips_torch_and_stdlib() -> None:
@@ -117,3 +132,15 @@ def test_recorder_stack_sample_is_bounded_and_parses() -> None:
     function, path, line = snap.stack[1]  # [0] is the sampler's own frame, here on the sampled thread
     assert function == "deep_100pct" and line == 2
     assert path.endswith("/caf\\udce9%s.py") and len(path) == spool.MAX_FRAME_TEXT_CHARS
+
+
+def test_stacks_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from frexporter.recorder.publisher import Publisher, stacks_enabled
+
+    assert stacks_enabled({}) and stacks_enabled({"FREXPORTER_STACKS": "1"})
+    assert not any(stacks_enabled({"FREXPORTER_STACKS": v}) for v in ("0", "false", "No", " off "))
+    monkeypatch.setenv("FREXPORTER_STACKS", "0")
+    assert Publisher(str(tmp_path), "j", 1.0)._sample_stack() == b""
+    monkeypatch.delenv("FREXPORTER_STACKS")
+    # The recorder samples the main thread, which is the one running this test.
+    assert b'"test_stacks_can_be_turned_off"' in Publisher(str(tmp_path), "j", 1.0)._sample_stack()

@@ -21,6 +21,7 @@ from tests.rulefile import load_rules, parse_duration
 pytestmark = pytest.mark.e2e
 
 DESYNC = "FrexporterCollectiveDesync"
+DESYNC_CULPRITS = "job_id_pg_rank:frexporter_pg_last_enqueued_seq:desync_culprits"
 RANK_DOWN = "FrexporterRankDown"
 RANK_ABSENT = "FrexporterRankAbsent"
 JOB_TIMEOUT_S = 60.0  # gloo's own timeout in the desync job: the page must come well before it
@@ -28,10 +29,12 @@ POLL_S = 0.2
 
 
 def _desync_timing() -> tuple[float, float]:
-    """The scaled FrexporterCollectiveDesync threshold and "for", as Prometheus evaluates them."""
-    rule = next(r for g in load_rules(SCALE)["groups"] for r in g["rules"] if r.get("alert") == DESYNC)
-    threshold = re.search(r">= ([\d.]+)\s+# @scale", rule["expr"])
-    assert threshold is not None, rule["expr"]
+    """The scaled FrexporterCollectiveDesync fallback threshold (in the culprits it reads) and "for"."""
+    rules = [r for g in load_rules(SCALE)["groups"] for r in g["rules"]]
+    rule = next(r for r in rules if r.get("alert") == DESYNC)
+    culprits = next(r for r in rules if r.get("record") == DESYNC_CULPRITS)
+    threshold = re.search(r">= ([\d.]+)\s+# @scale", culprits["expr"])
+    assert threshold is not None, culprits["expr"]
     return float(threshold[1]), parse_duration(rule["for"])
 
 
@@ -89,6 +92,7 @@ def test_skipped_subgroup_collective_pages_only_the_root_rank(
     root = firing[0].labels
     assert (root["rank"], root["pg_desc"]) == ("3", "pair23"), root
     assert root["severity"] == "warning"
+    assert root["culprit_state"] == "in_collective", root  # it skipped ahead and blocks in WORLD
     assert "Rank 3 of job e2e-pair-skip" in firing[0].annotations["summary"]
 
     # Rank 2 lags in WORLD a step's compute after rank 3 lags in the pair PG, so had the rules blamed it,
@@ -144,6 +148,29 @@ def test_legitimately_slow_rank0_does_not_page(
     assert steps >= window / slow / 2, steps
     _report(capsys, f"slow rank 0 ({slow:g}s per step, {steps:.0f} steps): no alert in {window:g}s; "
                     f"longest wait Prometheus saw {longest:.2f}s (threshold {threshold:g}s)")
+
+
+@pytest.mark.parametrize(("mode", "severity"), [("busy", "info"), ("idle", "warning")])
+def test_desync_alert_says_what_the_culprit_is_doing(
+    promstack: PromStack, job_factory: Callable[..., Job], exporter_factory: Callable[..., Any],
+    capsys: pytest.CaptureFixture[str], mode: str, severity: str,
+) -> None:
+    # Rank 0 waits in an all_reduce; rank 1 computes in Python (busy) or sleeps (idle) instead. The label
+    # comes from rank 1's activity series through Prometheus; a busy culprit is info, so routing can hold it.
+    # (Here the exporter's learned threshold is still its ceiling, a cold start: when the hold ends is
+    # tests/rules/activity_test.yml's to show.)
+    job_id = f"e2e-culprit-{mode}"
+    job = job_factory("culprit", 2, job_id=job_id, env={"JOB_CULPRIT": mode, "JOB_TIMEOUT": f"{JOB_TIMEOUT_S:g}"})
+    job.wait_ready()
+    _start_exporter(promstack, exporter_factory, job)
+    firing = wait_for(lambda: _firing(promstack, DESYNC, job_id), timeout=JOB_TIMEOUT_S / 2, interval=0.05,
+                      what=f"{DESYNC} for {job_id} at the webhook")
+    labels = firing[0].labels
+    assert (labels["rank"], labels["culprit_state"], labels["severity"]) == ("1", mode, severity), labels
+    assert f"Rank 1 is {mode}" in firing[0].annotations["description"], firing[0].annotations
+    job.touch("stop")
+    _report(capsys, f"{DESYNC}, {mode} culprit: culprit_state={labels['culprit_state']}, "
+                    f"severity={labels['severity']}")
 
 
 def test_sigkilled_rank_pages_rank_down(

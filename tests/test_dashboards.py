@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from frexporter import naming
+from frexporter.model import ACTIVITY_STATES
 from tests.harness import require_module, require_tool
 from tests.rulefile import load_rules
 
@@ -351,6 +352,9 @@ def test_dashboards_cover_the_metrics_that_matter() -> None:
         naming.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS,
         naming.PG_TIMEOUT_SECONDS,
         naming.VERDICT,
+        naming.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS,
+        naming.PG_STUCK_THRESHOLD_SECONDS,
+        naming.PG_STUCK_CEILING_SECONDS,
         naming.SOURCE_UP,
         naming.COLLECTIVE_DURATION_SECONDS + "_bucket",
         naming.COLLECTIVE_BYTES_TOTAL,
@@ -369,6 +373,21 @@ def test_dashboards_cover_the_metrics_that_matter() -> None:
         generate.ALERTS,
     }
     assert required <= used, sorted(required - used)
+
+
+def test_every_activity_state_has_its_own_number_and_colour() -> None:
+    # A state added to the model without a style would show as a bare number or an uncoloured cell.
+    style = generate.ACTIVITY_STYLE
+    assert set(style) == set(ACTIVITY_STATES)
+    assert len({code for code, _ in style.values()}) == len(style)
+    for state, (code, color) in style.items():
+        assert generate.ACTIVITY_MAPPING[0].options[str(code)].text == state
+        assert generate.ACTIVITY_LABEL_MAPPING[0].options[state].color == color
+    # The rank dashboard draws the state as a number: every state's series is read, with its own code.
+    (expr,) = {q.expr for q in generate.panel_queries() if (q.dashboard_uid, q.panel_title) == (
+        generate.UID_RANK, "Activity")}
+    for state, (code, _) in style.items():
+        assert f'state="{state}"}} + {code})' in expr, (state, expr)
 
 
 # --- queries for end-to-end tests ----------------------------------------------

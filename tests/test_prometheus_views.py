@@ -25,7 +25,7 @@ import pytest
 
 from frexporter import naming as n
 from frexporter.analysis.verdicts import MISSING_RANK, RANK_ABSENT, VerdictConfig, evaluate
-from frexporter.model import RANK_OK, RANK_UNRESPONSIVE
+from frexporter.model import ACTIVITY_IN_COLLECTIVE, RANK_OK, RANK_UNRESPONSIVE
 from frexporter.postmortem import prometheus, report
 from tests.harness import REPO, Job, require_module, wait_for
 from tests.promstack import SCALE, PromStack
@@ -200,6 +200,14 @@ def test_every_dashboard_query_returns_data_for_a_desync(
         empty = "\n".join(f"  {uid} / {title}: {expr}" for expr, (uid, title) in pending.items())
         raise AssertionError(f"{len(pending)} of {len(chosen)} queries returned no data:\n{empty}") from None
     _assert_alive(job)
+    # What the culprit is doing, where on-call reads it: rank 3 skipped ahead and blocks in WORLD.
+    (verdicts,) = [expr for uid, title, expr in chosen if (uid, title) == (generate.UID_JOB, "Open verdicts")]
+    rows = [row for row in promstack.query(verdicts) if row["metric"][n.L_RANK] == "3"]
+    assert rows and {row["metric"][n.L_STATE] for row in rows} == {ACTIVITY_IN_COLLECTIVE}, rows
+    assert all(float(row["value"][1]) >= 0 for row in rows), rows  # seconds in that state, not the NaN fallback
+    (activity,) = [expr for uid, title, expr in chosen if (uid, title) == (generate.UID_RANK, "Activity")]
+    (code,) = promstack.query(activity)
+    assert float(code["value"][1]) == generate.ACTIVITY_STYLE[ACTIVITY_IN_COLLECTIVE][0], code
     # The ones left out must still be valid PromQL for this Prometheus (an empty answer, not an error).
     for _, _, expr in every:
         promstack.query(expr)
@@ -237,7 +245,8 @@ def _rank(metric: str, value: float, rank: int, instance: str = "node0:9400", sc
 
 
 class FakePrometheus:
-    """Answers prometheus.query from samples of one job: plain selectors and timestamp() of them, by metric name."""
+    """Answers prometheus.query from samples of one job: plain selectors, timestamp() of them and max_over_time()
+    over a window, by metric name. A sample marked ``_past`` was seen in the window only, not now."""
 
     def __init__(self, samples: list[dict[str, Any]]) -> None:
         self.samples = samples
@@ -246,10 +255,11 @@ class FakePrometheus:
     def __call__(self, base_url: str, promql: str, timeout: float = 30.0) -> list[dict[str, Any]]:
         self.queries.append(promql)
         stamp = promql.startswith("timestamp(")
-        name = promql.removeprefix("timestamp(").split("{")[0]
+        window = promql.startswith("max_over_time(")
+        name = promql.removeprefix("timestamp(").removeprefix("max_over_time(").split("{")[0]
         out = []
         for s in self.samples:
-            if s["metric"]["__name__"] != name:
+            if s["metric"]["__name__"] != name or (s.get("_past") and not window):
                 continue
             if stamp:  # like Prometheus: the name is dropped, the value is when the sample was scraped
                 labels = {k: v for k, v in s["metric"].items() if k != "__name__"}
@@ -378,3 +388,77 @@ def test_analyze_prometheus_uses_the_learned_threshold_and_shows_a_wait_below_it
         assert "no stuck collective found" not in text
         assert (f"waiting: job j, PG 0 (default_pg), collective #8: ranks 0,1 wait on rank(s) 2 for 20s "
                 f"(threshold {threshold}s)") in text, text
+
+
+def test_analyze_prometheus_gives_a_busy_culprit_the_ceiling_and_an_idle_one_the_learned_threshold() -> None:
+    # As FrexporterCollectiveDesync does: ranks 0 and 1 wait in collective 8 for rank 2, which never enqueued
+    # it. The exporters learned 10 s for the PG and the shortest --stuck-after among them (the ceiling) is 30 s;
+    # what rank 2 is doing (its activity series) decides which of the two the wait is judged against.
+    pg = [_pg_static(n.PG_STUCK_THRESHOLD_SECONDS, 10), _pg_static(n.PG_STUCK_CEILING_SECONDS, 30),
+          _pg_static(n.PG_STUCK_CEILING_SECONDS, 300, instance="node1:9400")]
+
+    def analyze(waited: float, *extra: dict[str, Any], stuck_after: float | None = None) -> report.Report:
+        samples = [*_rank_series(0, 8, 7, oldest=NOW - waited), *_rank_series(1, 8, 7, oldest=NOW - waited),
+                   *_rank_series(2, 7, 7), *pg, *extra]
+        with mock.patch.object(prometheus, "query", FakePrometheus(samples)), \
+                mock.patch("time.time", return_value=NOW):
+            return report.from_prometheus("http://prometheus", "j", stuck_after)
+
+    def doing(state: str, since: float = NOW - 40) -> dict[str, Any]:
+        return _rank(n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS, since, 2, state=state)
+
+    # Busy for 20 s of wait: above the learned 10 s, below the 30 s ceiling: a wait, not a hang.
+    busy = analyze(20, doing("busy"))
+    assert busy.verdicts == (), busy.verdicts
+    text = report.render_text(busy)
+    assert ("waiting: job j, PG 0 (default_pg), collective #8: ranks 0,1 wait on rank(s) 2 (busy) for 20s "
+            "(threshold 30s)") in text, text
+    assert next(r for r in busy.ranks if r.rank == 2).activity.since == NOW - 40
+    # Past the ceiling, busy or not, it is a hang; also where analyze is given a longer --stuck-after.
+    assert [(v.kind, v.ranks) for v in analyze(31, doing("busy")).verdicts] == [(MISSING_RANK, (2,))]
+    assert [(v.kind, v.ranks) for v in analyze(31, doing("busy"), stuck_after=60).verdicts] == [
+        (MISSING_RANK, (2,))]
+    # Idle (or wedged, gone, unknown, blocked in another collective): the learned threshold.
+    for state in ("idle", "wedged", "unknown", "in_collective"):
+        hung = analyze(20, doing(state))
+        assert [(v.kind, v.ranks, v.seq, v.pg) for v in hung.verdicts] == [(MISSING_RANK, (2,), 8, "0")], state
+        if state != "unknown":
+            assert f"missing_rank: job j, PG 0 (default_pg), collective #8, culprit rank(s) 2 ({state})" in (
+                report.render_text(hung)), report.render_text(hung)
+    # The state a rank left can linger a scrape next to its new one: the newest begun is current.
+    assert analyze(20, doing("idle", NOW - 60), doing("busy", NOW - 25)).verdicts == ()
+    # Idle now, busy within the last minute (CPU use at the busy line): still held, as the alert holds it.
+    flipped = analyze(20, doing("idle", NOW - 5), {**doing("busy", NOW - 40), "_past": True})
+    assert flipped.verdicts == (), flipped.verdicts
+    assert "wait on rank(s) 2 (idle) for 20s (threshold 30s)" in report.render_text(flipped)
+    # The exporters' ceiling holds when it is above analyze's default --stuck-after (60 s); a --stuck-after
+    # given to analyze caps it.
+    pg[1] = _pg_static(n.PG_STUCK_CEILING_SECONDS, 300)
+    assert analyze(90, doing("busy")).verdicts == ()
+    assert [v.ranks for v in analyze(90, doing("busy"), stuck_after=60).verdicts] == [(2,)]
+
+
+def test_analyze_prometheus_without_activity_series_judges_as_before() -> None:
+    # An older exporter exports neither the activity series nor the ceiling: the culprit's state comes from
+    # the exporter's own verdict (culprit_state), and a busy culprit gets analyze's --stuck-after.
+    samples = [*_rank_series(0, 8, 7, oldest=NOW - 20), *_rank_series(1, 8, 7, oldest=NOW - 20),
+               *_rank_series(2, 7, 7), _pg_static(n.PG_STUCK_THRESHOLD_SECONDS, 10)]
+    verdict = _rank(n.VERDICT, 1, 2, kind=MISSING_RANK, pg="0", culprit_state="busy", culprit_function="save")
+
+    def analyze(*extra: dict[str, Any]) -> report.Report:
+        with mock.patch.object(prometheus, "query", FakePrometheus([*samples, *extra])), \
+                mock.patch("time.time", return_value=NOW):
+            return report.from_prometheus("http://prometheus", "j")
+
+    assert [v.ranks for v in analyze().verdicts] == [(2,)]  # nothing known of rank 2: the learned 10 s
+    held = analyze(verdict)
+    assert held.verdicts == ()
+    assert "wait on rank(s) 2 (busy) for 20s (threshold 60s)" in report.render_text(held)
+    # Where both say something, the activity series' state wins and the verdict's function goes with it
+    # only when the two agree.
+    current = analyze(verdict, _rank(n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS, NOW - 30, 2, state="busy"))
+    activity = next(r for r in current.ranks if r.rank == 2).activity
+    assert (activity.state, activity.headline(), activity.since) == ("busy", ("save", "", 0), NOW - 30)
+    changed = analyze(verdict, _rank(n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS, NOW - 3, 2, state="idle"))
+    assert next(r for r in changed.ranks if r.rank == 2).activity.frames == ()
+    assert [v.ranks for v in changed.verdicts] == [(2,)]

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from frexporter import naming
+from frexporter.model import BUSY_HOLD_SECONDS
 from tests.harness import require_tool
 from tests.rulefile import RULES_PATH, SCALE_MARKER, load_rules, parse_duration, render_rules
 
@@ -151,7 +152,10 @@ def test_alert_follows_conventions(alert: dict[str, Any]) -> None:
     name = alert["alert"]
     assert re.fullmatch(r"Frexporter[A-Z][A-Za-z]+", name)
     assert "for" in alert
-    assert alert["labels"]["severity"] in SEVERITIES
+    # A templated severity (FrexporterCollectiveDesync: info for a busy culprit) may only choose among them.
+    severity = alert["labels"]["severity"]
+    choices = set(re.findall(r"}}(\w+){{", severity)) if "{{" in severity else {severity}
+    assert choices and choices <= SEVERITIES, severity
     annotations = alert["annotations"]
     assert annotations["summary"].strip()
     assert "$labels." in annotations["description"]
@@ -192,8 +196,22 @@ def test_load_rules_scaled_desync_timing() -> None:
         for rule in group["rules"]
         if rule.get("alert") == "FrexporterCollectiveDesync"
     )
+    culprits = next(
+        rule
+        for group in load_rules(0.1)["groups"]
+        for rule in group["rules"]
+        if rule.get("record") == "job_id_pg_rank:frexporter_pg_last_enqueued_seq:desync_culprits"
+    )
     assert desync["for"] == "1500ms"
-    assert re.search(r">= 3\s+# @scale", desync["expr"])
+    assert re.search(r">= 3\s+# @scale", culprits["expr"])  # the 30 s fallback threshold
+    assert re.search(r">= 6\s+# @scale", desync["expr"])  # the busy culprit's 60 s fallback ceiling
+
+
+def test_desync_busy_hold_is_the_model_s() -> None:
+    """The alert's "busy within the last minute" is the node verdict's BUSY_HOLD_SECONDS (one answer)."""
+    desync = next(rule for rule in _alerts() if rule["alert"] == "FrexporterCollectiveDesync")
+    windows = set(re.findall(r'\{state="busy"\}\[(\w+)\]', desync["expr"]))
+    assert windows and {parse_duration(w) for w in windows} == {BUSY_HOLD_SECONDS}, windows
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, math.inf])

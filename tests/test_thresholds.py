@@ -13,7 +13,7 @@ from frexporter.analysis import VerdictConfig, evaluate, make_analyzer
 from frexporter.analysis.findings import FindingsConfig, waits_in_progress
 from frexporter.analysis.verdicts import MISSING_RANK
 from frexporter.exporter import Exporter
-from frexporter.model import ACTIVITY_BUSY, ACTIVITY_IDLE, Activity, NodeSnapshot, RankState
+from frexporter.model import ACTIVITY_BUSY, ACTIVITY_IDLE, BUSY_HOLD_SECONDS, Activity, NodeSnapshot, RankState
 from frexporter.outputs.api import status_html, status_json
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from frexporter.sources.thresholds import ThresholdConfig, ThresholdLearner, quantile, stuck_threshold
@@ -191,6 +191,15 @@ def test_verdict_uses_the_shortest_learned_threshold_capped_by_stuck_after() -> 
     assert evaluate(doing(ACTIVITY_BUSY, 15.0), NOW, NODE) == ()
     assert [v.ranks for v in evaluate(doing(ACTIVITY_BUSY, 61.0), NOW, NODE)] == [(3,)]
     assert [v.ranks for v in evaluate(doing(ACTIVITY_IDLE, 15.0), NOW, NODE)] == [(3,)]
+
+    # Idle now but busy within BUSY_HOLD_SECONDS (CPU use at the busy line): still the busy patience, as in
+    # FrexporterCollectiveDesync; once the hold has passed, the learned threshold.
+    def flipped(last_busy_ago: float, age: float) -> list[RankState]:
+        act = Activity(state=ACTIVITY_IDLE, last_busy=NOW - last_busy_ago)
+        return [replace(r, activity=act) if r.rank == 3 else r for r in learned({0: 10.0}, age)]
+
+    assert evaluate(flipped(BUSY_HOLD_SECONDS - 1, 15.0), NOW, NODE) == ()
+    assert [v.ranks for v in evaluate(flipped(BUSY_HOLD_SECONDS + 1, 15.0), NOW, NODE)] == [(3,)]
     # Below the threshold the wait is shown with it.
     waits = waits_in_progress(learned({0: 20.0}, 15.0), NOW, FindingsConfig(NODE.stuck_after, False))
     assert [(w.waiting, w.blockers, w.threshold_seconds, round(w.waited_seconds or 0)) for w in waits] == [

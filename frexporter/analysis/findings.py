@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 from frexporter.analysis.matching import Mismatch, find_mismatch
 from frexporter.model import (
-    ACTIVITY_BUSY,
     RANK_DOWN,
     RANK_EXITED,
     RANK_OK,
@@ -243,6 +242,14 @@ def pg_threshold(states: Iterable[PGState], stuck_after: float) -> float:
     return min([stuck_after, *learned])
 
 
+def pg_ceiling(states: Iterable[PGState], stuck_after: float) -> float:
+    """The threshold of a wait whose culprits are all busy computing: the shortest ceiling (the exporters'
+    --stuck-after) the PG's ranks' sources set, never above ``stuck_after``, which is also the answer where
+    none set one (dumps, older exporters)."""
+    ceilings = [s.stuck_ceiling_seconds for s in states if s.stuck_ceiling_seconds is not None]
+    return min([stuck_after, *ceilings])
+
+
 def _op(entries: Mapping[int, tuple[InflightCollective, ...]], mismatch: Mismatch | None) -> str:
     named = {r: g[0].op for r, g in entries.items() if g and g[0].op}
     if mismatch is not None and mismatch.majority:
@@ -276,10 +283,11 @@ def _finding(group: _Group, ranks: Mapping[int, RankState], cond: Mapping[int, s
     since, timeout, proven = _timing(group, observed, waiting, seq, now)
     threshold = pg_threshold(group.states.values(), config.stuck_after)
     if missing and not down and not (config.complete_view and unobserved) and all(
-            observed[r].activity.state == ACTIVITY_BUSY for r in missing):
-        # Every rank the others wait for is computing (a checkpoint, an evaluation): patience up to --stuck-after.
-        # A culprit that is idle, gone, wedged or blocked elsewhere gets the learned threshold.
-        threshold = config.stuck_after
+            observed[r].activity.held_busy(now) for r in missing):
+        # Every rank the others wait for is computing (a checkpoint, an evaluation), or was within
+        # model.BUSY_HOLD_SECONDS: patience up to --stuck-after. A culprit that is idle, gone, wedged or blocked
+        # elsewhere gets the learned threshold.
+        threshold = pg_ceiling(group.states.values(), config.stuck_after)
     return Finding(
         job_id=group.job_id, pg=group.name, pg_desc=group.desc, members=members, seq=seq,
         op=_op(entries, mismatch), since=since, timeout_seconds=timeout,

@@ -20,8 +20,10 @@ from typing import Any
 from frexporter import naming as n
 from frexporter.analysis.verdicts import with_oldest_start
 from frexporter.model import (
+    ACTIVITY_BUSY,
     ACTIVITY_STATES,
     ACTIVITY_UNKNOWN,
+    BUSY_HOLD_SECONDS,
     RANK_DOWN,
     RANK_OK,
     RANK_UNRESPONSIVE,
@@ -97,7 +99,7 @@ def _selector(job_id: str | None) -> str:
 
 # Labels frexporter itself puts on rank and PG series. Whatever else a series carries (job, instance,
 # pod, ... from the scrape target and relabelling) names the exporter that reported it.
-_OWN_LABELS = frozenset({"__name__", *n.RANK_INFO_LABELS, *n.PG_INFO_LABELS})
+_OWN_LABELS = frozenset({"__name__", *n.RANK_INFO_LABELS, *n.PG_INFO_LABELS, *n.RANK_ACTIVITY_LABELS})
 RankKey = tuple[str, int]
 Source = tuple[tuple[str, str], ...]
 _PG_FIELDS = ((n.PG_LAST_ENQUEUED_SEQ, "enqueued"), (n.PG_LAST_COMPLETED_SEQ, "completed"),
@@ -125,6 +127,21 @@ def _by_source(samples: list[dict[str, Any]]) -> dict[RankKey, dict[Source, dict
     return out
 
 
+def _newest_state(samples: list[dict[str, Any]]) -> dict[RankKey, dict[Source, dict[str, Any]]]:
+    """Like _by_source for the activity series, which carry the state as a label: one exporter exports one
+    state per rank, but a state it left can linger in a query for a scrape; the newest begun is current."""
+    out: dict[RankKey, dict[Source, dict[str, Any]]] = defaultdict(dict)
+    for s in samples:
+        key, since = _rank_key(s["metric"]), _value(s)
+        if key is None or since is None:
+            continue
+        source = _source(s["metric"])
+        held = out[key].get(source)
+        if held is None or since > (_value(held) or -math.inf):
+            out[key][source] = s
+    return out
+
+
 def rank_states(base_url: str, job_id: str | None, now: float,
                 stale_after: float = STALE_HEARTBEAT_SECONDS) -> tuple[RankState, ...]:
     """Every rank of the job (all jobs when ``job_id`` is None) as of the latest scrapes.
@@ -144,8 +161,15 @@ def rank_states(base_url: str, job_id: str | None, now: float,
     timeouts = _pg_timeouts(query(base_url, n.PG_TIMEOUT_SECONDS + sel))
     # The exporters' learned stuck thresholds (absent from older ones: the caller's fixed one applies).
     thresholds = _pg_timeouts(query(base_url, n.PG_STUCK_THRESHOLD_SECONDS + sel))
+    # And their ceilings (--stuck-after), the threshold of a wait on busy culprits (absent from older ones too).
+    ceilings = _pg_timeouts(query(base_url, n.PG_STUCK_CEILING_SECONDS + sel))
     pg_samples = [(field, s) for metric, field in _PG_FIELDS for s in query(base_url, metric + sel)]
-    activities = _culprit_activities(query(base_url, n.VERDICT + sel))
+    culprits = _culprit_activities(query(base_url, n.VERDICT + sel))
+    activity = _newest_state(query(base_url, n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS + sel))
+    # Busy at any time within the hold, as FrexporterCollectiveDesync asks it (model.BUSY_HOLD_SECONDS).
+    busy_lately = {key for s in query(base_url, f"max_over_time({n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS}"
+                                                f"{sel}[{BUSY_HOLD_SECONDS:.0f}s])")
+                   if s["metric"].get(n.L_STATE) == ACTIVITY_BUSY and (key := _rank_key(s["metric"])) is not None}
 
     sources: dict[RankKey, set[Source]] = defaultdict(set)
     for table in (up, heartbeat, info):
@@ -188,7 +212,7 @@ def rank_states(base_url: str, job_id: str | None, now: float,
             # A reported 0 is an answer, not a gap to fill from the seqs.
             inflight_count=max(0, enq - done) if inflight is None else max(0, int(inflight)),
             timeout_seconds=timeouts.get((job, pg)), last_progress=v.get("progress"), exact=True, has_p2p=False,
-            stuck_threshold_seconds=thresholds.get((job, pg)),
+            stuck_threshold_seconds=thresholds.get((job, pg)), stuck_ceiling_seconds=ceilings.get((job, pg)),
         )
         by_rank[(job, rank)].append(with_oldest_start(state, v.get("oldest")))
     keys = set(by_rank) | {key for key in chosen if pick(up, key) is not None}
@@ -213,9 +237,21 @@ def rank_states(base_url: str, job_id: str | None, now: float,
             world_size=_int(labels.get(n.L_WORLD_SIZE)), hostname=labels.get(n.L_HOSTNAME, ""),
             pid=_int(labels.get(n.L_PID)), torch_version=labels.get(n.L_TORCH_VERSION, ""),
             gpu_uuid=labels.get(n.L_GPU_UUID, ""), status=status, heartbeat=hb, heartbeat_age=age,
-            socket_alive=None, pgs=tuple(by_rank.get(key, ())), activity=activities.get(key, UNKNOWN_ACTIVITY),
+            socket_alive=None, pgs=tuple(by_rank.get(key, ())),
+            activity=_activity(pick(activity, key), culprits.get(key), now if key in busy_lately else None),
         ))
     return tuple(out)
+
+
+def _activity(sample: dict[str, Any] | None, culprit: Activity | None, last_busy: float | None) -> Activity:
+    """The rank's activity from its exporter's activity series (state and since), with the function a
+    verdict of that state names; from the verdict alone where the exporter exports no activity (older).
+    ``last_busy``: a time within the busy hold when the series said busy in it."""
+    if sample is None or sample["metric"].get(n.L_STATE) not in ACTIVITY_STATES:
+        return culprit or UNKNOWN_ACTIVITY
+    state: str = sample["metric"][n.L_STATE]
+    frames = culprit.frames if culprit is not None and culprit.state == state else ()
+    return Activity(state=state, frames=frames, since=_value(sample), last_busy=last_busy)
 
 
 def _culprit_activities(samples: list[dict[str, Any]]) -> dict[RankKey, Activity]:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from frexporter import defaults
 from frexporter.analysis import history
 from frexporter.analysis.findings import Finding, FindingsConfig, waits_in_progress
 from frexporter.analysis.verdicts import (
@@ -24,7 +25,7 @@ from frexporter.analysis.verdicts import (
     past_mismatch_verdict,
 )
 from frexporter.fr import trace
-from frexporter.model import RankState
+from frexporter.model import ACTIVITY_UNKNOWN, Activity, RankState
 from frexporter.postmortem import dumpfiles, prometheus
 
 EVIDENCE_FILE = "verdict.json"
@@ -78,9 +79,15 @@ def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report
                   recorded=recorded, skipped_files=skipped_files, skipped_entries=skipped_entries, waits=waits)
 
 
-def from_prometheus(url: str, job_id: str | None, stuck_after: float) -> Report:
+def from_prometheus(url: str, job_id: str | None, stuck_after: float | None = None) -> Report:
+    """``stuck_after`` None: the exporters' own (the largest ``frexporter_pg_stuck_ceiling_seconds`` they
+    report), so that the learned thresholds and the ceilings decide as in the alert rules; the default
+    --stuck-after where no exporter reports one (older exporters). A number caps both."""
     now = time.time()
     ranks = prometheus.rank_states(url, job_id, now)
+    if stuck_after is None:
+        ceilings = [pg.stuck_ceiling_seconds for r in ranks for pg in r.pgs if pg.stuck_ceiling_seconds is not None]
+        stuck_after = max(ceilings, default=defaults.STUCK_AFTER)
     verdicts = evaluate(ranks, now, VerdictConfig(stuck_after=stuck_after, complete_view=True))
     # Every node's ranks are in the view: a rank below the world size without any series is absent.
     absent = tuple(v for v in find_absent_in_world(ranks) if not any(
@@ -111,8 +118,9 @@ def render_text(report: Report) -> str:
     hangs = [v for v in report.verdicts if v.kind not in (PAST_MISMATCH, LAGGING_RANK)]
     past = [v for v in report.verdicts if v.kind == PAST_MISMATCH]
     lags = [v for v in report.verdicts if v.kind == LAGGING_RANK]
+    activity = {(r.job_id, r.rank): r.activity for r in report.ranks}
     if not hangs:
-        lines.extend(_wait_line(f) for f in report.waits)
+        lines.extend(_wait_line(f, activity) for f in report.waits)
         if not report.waits:
             lines.append("no stuck collective found")
     for v in hangs:
@@ -120,7 +128,9 @@ def render_text(report: Report) -> str:
         budget = f", {left:.0f}s of the {v.timeout_seconds:.0f}s watchdog budget left" if (
             left is not None and v.timeout_seconds) else ""
         where = f"PG {v.pg} ({v.pg_desc}), {v.op or 'collective'} #{v.seq}, " if v.pg else ""
-        lines.append(f"{v.kind}: job {v.job_id}, {where}culprit rank(s) {','.join(map(str, v.ranks))}{budget}")
+        doing = _doing([v.activity.get(str(r)) for r in v.ranks[:_SHOWN]])
+        culprits = ",".join(map(str, v.ranks))
+        lines.append(f"{v.kind}: job {v.job_id}, {where}culprit rank(s) {culprits}{doing}{budget}")
         lines.append(f"  {v.summary}")
     if past:
         lines.append(f"{_count(len(past), 'past mismatch', 'past mismatches')} "
@@ -139,14 +149,28 @@ def render_text(report: Report) -> str:
     return "\n".join(lines)
 
 
+_SHOWN = 16  # ranks listed in a line
+
+
 def _ranks(ranks: Sequence[int]) -> str:
-    shown = ",".join(map(str, ranks[:16]))
-    return shown + (f",... ({len(ranks)})" if len(ranks) > 16 else "")
+    shown = ",".join(map(str, ranks[:_SHOWN]))
+    return shown + (f",... ({len(ranks)})" if len(ranks) > _SHOWN else "")
 
 
-def _wait_line(f: Finding) -> str:
-    """A wait in progress, not stuck yet: who waits on whom, for how long, against which threshold."""
-    on = f"rank(s) {_ranks(f.blockers)}" if f.blockers else "the collective to complete"
+def _doing(activities: Sequence[Activity | None]) -> str:
+    """' (idle)' when the shown culprits are all in one state, ' (busy, idle)' rank by rank otherwise; ''
+    when none is known (dump files carry no activity). The state is what decided the threshold."""
+    states = [a.state if a is not None else ACTIVITY_UNKNOWN for a in activities]
+    if all(s == ACTIVITY_UNKNOWN for s in states):
+        return ""
+    return f" ({states[0]})" if len(set(states)) == 1 else f" ({', '.join(states)})"
+
+
+def _wait_line(f: Finding, activity: dict[tuple[str, int], Activity]) -> str:
+    """A wait in progress, not stuck yet: who waits on whom, what they are doing, for how long, against which
+    threshold (the ceiling when they are all busy computing, docs/detection.md)."""
+    doing = _doing([activity.get((f.job_id, r)) for r in f.blockers[:_SHOWN]])
+    on = f"rank(s) {_ranks(f.blockers)}{doing}" if f.blockers else "the collective to complete"
     waited = f.waited_seconds or 0.0
     threshold = f" (threshold {f.threshold_seconds:.0f}s)" if f.threshold_seconds is not None else ""
     return (f"waiting: job {f.job_id}, PG {f.pg} ({f.pg_desc}), {f.op or 'collective'} #{f.seq}: ranks "

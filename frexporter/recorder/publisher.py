@@ -78,7 +78,8 @@ class Publisher:
         self._launcher: dict[str, Any] = {}
         self._starting = False  # a starting manifest is out: this rank is known before its process group
         self._last_starting = 0.0
-        self._sample_stack = stack_sampler(threading.main_thread().ident, self._count_error)
+        self._sample_stack = (stack_sampler(threading.main_thread().ident, self._count_error)
+                              if stacks_enabled(os.environ) else _no_stack)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -397,6 +398,16 @@ class Publisher:
             self._logged.add(reason)
             log.warning("frexporter recorder: %s: %s (further errors of this kind are counted, not logged)",
                         reason, exc)
+
+
+def stacks_enabled(environ: Mapping[str, str]) -> bool:
+    """FREXPORTER_STACKS=0 (or false, no, off) turns the stack sampling off: activity is then ``unknown``
+    unless the rank is wedged or gone (no frame tells a collective from computing or waiting)."""
+    return environ.get("FREXPORTER_STACKS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _no_stack() -> bytes:
+    return b""
 
 
 def stack_sampler(thread_id: int | None, count_error: Callable[[str, BaseException], None]

@@ -47,11 +47,14 @@ def classify(status: str, frames: tuple[Frame, ...], cpu_percent: float | None, 
 
 def next_activity(previous: Activity | None, status: str, frames: tuple[Frame, ...], cpu_percent: float | None,
                   inflight: bool, now: float) -> Activity:
-    """This poll's activity; ``since`` carries over while the state and the headline function stay the same."""
+    """This poll's activity; ``since`` carries over while the state and the headline function stay the same,
+    ``last_busy`` while the rank is not busy."""
     state = classify(status, frames, cpu_percent, inflight)
-    current = Activity(state=state, frames=frames, cpu_percent=cpu_percent, since=now)
+    last_busy = now if state == ACTIVITY_BUSY else previous.last_busy if previous is not None else None
+    current = Activity(state=state, frames=frames, cpu_percent=cpu_percent, since=now, last_busy=last_busy)
     if previous is not None and previous.state == state and previous.since is not None:
         old, new = previous.headline(), current.headline()
         if (old and old[:2]) == (new and new[:2]):
-            return Activity(state=state, frames=frames, cpu_percent=cpu_percent, since=previous.since)
+            return Activity(state=state, frames=frames, cpu_percent=cpu_percent, since=previous.since,
+                            last_busy=last_busy)
     return current
