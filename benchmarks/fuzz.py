@@ -1,5 +1,5 @@
 """Fuzzing of every parser of outside data: spool files, FR dumps (JSON and pickle), worker-server and
-Prometheus answers, the web config file and the Authorization header.
+Prometheus answers, py-spy's dump text, the web config file and the Authorization header.
 
 Each target takes bytes (the outside data as it arrives) and runs the parser plus what consumes its
 result. A case passes when it returns or raises one of the target's documented error types, its CPU
@@ -51,7 +51,7 @@ from frexporter.analysis.verdicts import VerdictConfig, evaluate, lagging_verdic
 from frexporter.fr import trace
 from frexporter.fr.domain import translate
 from frexporter.postmortem import dumpfiles, prometheus
-from frexporter.sources import worker_client
+from frexporter.sources import pyspy, worker_client
 from frexporter.sources.base import SourceError
 from frexporter.spool import INT_MAX, INT_MIN, SpoolError
 
@@ -272,6 +272,11 @@ def http_seeds() -> list[bytes]:
         b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 14\r\n\r\nKeyError('0')",
         b"HTTP/1.0 200 OK\r\n\r\nbody until EOF",
     ]
+
+
+def pyspy_seeds() -> list[bytes]:
+    """Real py-spy 0.4 output (torch's pyspy_dump answer, a deep stack, --native, forced colours)."""
+    return [path.read_bytes() for path in sorted((REPO / "tests" / "golden" / "pyspy").glob("*.txt"))]
 
 
 def chunk_seeds() -> list[bytes]:
@@ -624,6 +629,18 @@ def run_complete(data: bytes) -> None:
         raise Failure("invariant", "_complete returned a non-bool")
 
 
+def run_pyspy_dump(data: bytes) -> None:
+    frames = pyspy.parse_dump(data, "fuzz.sock")
+    if len(frames) > spool.MAX_STACK_FRAMES:
+        raise Failure("invariant", "more frames than the recorder's bound")
+    for function, path, line in frames:
+        if not (isinstance(function, str) and isinstance(path, str) and type(line) is int):
+            raise Failure("invariant", "a frame that is not (str, str, int)")
+        if not (function and path and 0 <= line <= INT_MAX and len(function) <= spool.MAX_FRAME_TEXT_CHARS
+                and len(path) <= spool.MAX_FRAME_TEXT_CHARS):
+            raise Failure("invariant", "a frame past the recorder's bounds")
+
+
 def run_parse_query_response(data: bytes) -> None:
     for sample in prometheus.parse_query_response(data):
         if not isinstance(sample, dict) or not isinstance(sample.get("metric"), dict):
@@ -854,13 +871,27 @@ def _build_strategies() -> Any:
         return st.one_of(mutated_bytes(seeds), mutated_bytes(seeds), st.text(max_size=200).map(str.encode),
                          st.binary(max_size=200), deep_yaml)
 
+    # py-spy's dump, line by line: its headers, thread and frame lines, and near misses of each.
+    pyspy_lines = st.sampled_from([
+        "Process 7: python train.py", "Python v3.11.7 (/usr/bin/python3)", "", 'Thread 7 (idle): "MainThread"',
+        "Thread 0x7F3A1C2B4740 (active+gil)", 'Thread 8 (active): "w"', "Thread 7", "Thread  (idle)",
+        "    f (a.py:1)", "    f (a.py)", "    f (:1)", "    f ()", "    (a.py:1)", "    f (a.py:-1)",
+        "    f (a.py:99999999999999999999)", "    f (a.py:1", "        Locals:", "            x: 1", "-" * 80,
+        "\x1b[32mf\x1b[0m", "    f (" + "d/" * 300 + "a.py:1)",
+    ]) | texts | texts.map(lambda t: "    " + t) | texts.map(lambda t: f"    {t} ({t}:{len(t)})")
+    pyspy_docs = st.builds(lambda lines, crlf: ("\r\n" if crlf else "\n").join(lines).encode(),
+                           st.lists(pyspy_lines, max_size=80), st.booleans())
+
+    def pyspy_text(seeds: Sequence[bytes]) -> SearchStrategy[bytes]:
+        return st.one_of(mutated_bytes(seeds), mutated_bytes(seeds), pyspy_docs, st.binary(max_size=300))
+
     def binary_file(seeds: Sequence[bytes]) -> SearchStrategy[bytes]:
         return st.one_of(mutated_bytes(seeds), mutated_bytes(seeds), st.binary(max_size=200))
 
     return types.SimpleNamespace(json_doc=json_doc, near_bounds=near_bounds,
                                  spool_file=spool_file, chunked=chunked, binary_file=binary_file,
                                  http_response=http_response, pickles=pickles, dump_file=dump_file,
-                                 prom_answer=prom_answer, yaml_text=yaml_text)
+                                 prom_answer=prom_answer, yaml_text=yaml_text, pyspy_text=pyspy_text)
 
 
 def _bounded_json(base: Callable[[], dict[str, Any]], kind: str) -> Callable[[], SearchStrategy[bytes]]:
@@ -889,6 +920,8 @@ def _targets() -> dict[str, Target]:
                chunk_seeds, lambda: _strategies().chunked(chunk_seeds())),
         Target("worker_client._complete", run_complete, (),
                lambda: [b"\x10" + s for s in http_seeds()], lambda: _strategies().http_response(http_seeds())),
+        Target("pyspy.parse_dump", run_pyspy_dump, (SourceError,),
+               pyspy_seeds, lambda: _strategies().pyspy_text(pyspy_seeds()), max_len=65536),
         Target("dumpfiles.safe_loads", run_safe_loads, (pickle.UnpicklingError,),
                pickle_seeds, lambda: _strategies().pickles(pickle_seeds()), max_len=65536),
         Target("dumpfiles.decode", run_frdump_decode, (dumpfiles.DumpError, SpoolError),

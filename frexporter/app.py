@@ -90,6 +90,8 @@ def build_app(
     ``stuck_after`` is the ceiling of each PG's learned stuck threshold (``stuck_floor``, ``stuck_multiple``:
     docs/detection.md).
     ``max_connections``: open HTTP connections at most; more are closed unserved.
+    ``evidence_stacks``: py-spy stacks (torch's pyspy_dump) of culprits in evidence bundles and of wedged ranks
+    in their activity.
     ``otlp_endpoint`` without the otlp extra installed raises MissingExtraError.
     """
     if debug_endpoints:
@@ -100,6 +102,7 @@ def build_app(
         RanksConfig(
             directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval,
             per_rank_durations=per_rank_durations, strict_permissions=strict_permissions,
+            wedged_stacks=evidence_stacks,
             thresholds=ThresholdConfig(ceiling=stuck_after, floor=stuck_floor, multiple=stuck_multiple),
         )
     )

@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where evidence bundles go when a verdict appears (default: <spool>/evidence; "
                             "'' to disable)")
     serve.add_argument("--evidence-stacks", action="store_true",
-                       help="also capture py-spy stacks of culprit ranks in evidence (needs py-spy and ptrace)")
+                       help="py-spy stacks, run by torch's worker server in the rank: culprits' in evidence "
+                            "bundles, and a wedged rank's main thread in its activity (needs py-spy on the ranks' "
+                            "PATH and ptrace permitted in their containers)")
     serve.add_argument("--web-config", default=None, metavar="FILE",
                        help="TLS and basic auth for every endpoint, from a Prometheus exporter-toolkit web config "
                             "file (tls_server_config, basic_auth_users, http_server_config); see SECURITY.md")

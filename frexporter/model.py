@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import bisect
 import functools
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -120,18 +121,25 @@ ACTIVITY_STATES = (ACTIVITY_IN_COLLECTIVE, ACTIVITY_BUSY, ACTIVITY_IDLE, ACTIVIT
 BUSY_HOLD_SECONDS = 60.0
 
 Frame = tuple[str, str, int]  # (function, file, line)
+# Where an activity's frames come from (Activity.frames_source): the rank's own snapshot, or, for a wedged rank
+# that cannot sample itself, py-spy run by torch's worker server in the rank (`serve --evidence-stacks`).
+FRAMES_RECORDER = "recorder"
+FRAMES_PYSPY = "py-spy"
 
 
 @dataclass(frozen=True)
 class Activity:
     """A rank's activity: its state, its training thread's last sampled stack (innermost first), the process's
     CPU use between its last two snapshots, and since when (unix seconds) it has been in this state in
-    the same headline function."""
+    the same headline function (wedged: since it stopped answering). ``frames_source`` says who sampled the
+    frames (FRAMES_RECORDER, FRAMES_PYSPY); py-spy names files relative to their package
+    (``torch/distributed/distributed_c10d.py``, ``train.py``)."""
 
     state: str = ACTIVITY_UNKNOWN
     frames: tuple[Frame, ...] = ()
     cpu_percent: float | None = None
     since: float | None = None
+    frames_source: str = FRAMES_RECORDER
     last_busy: float | None = None  # unix seconds the rank was last seen busy (now, while it is)
 
     def held_busy(self, now: float) -> bool:
@@ -141,7 +149,7 @@ class Activity:
     def to_json(self) -> dict[str, Any]:
         return {"state": self.state,
                 "frames": [{"function": f, "file": p, "line": n} for f, p, n in self.frames],
-                "cpu_percent": self.cpu_percent, "since": self.since}
+                "frames_source": self.frames_source, "cpu_percent": self.cpu_percent, "since": self.since}
 
     def headline(self) -> Frame | None:
         """The frame a person wants named: the innermost outside torch and the standard library (the user's
@@ -158,6 +166,10 @@ def is_library_file(path: str) -> bool:
     if path.startswith("<"):  # <frozen runpy>, <string>
         return True
     p = path.replace("\\", "/")
+    if not p.startswith("/") and p[1:3] != ":/":  # not C:/...
+        # Relative to its package, as py-spy names files: torch/distributed/..., threading.py, json/decoder.py.
+        top = p.split("/", 1)[0].removesuffix(".py")
+        return top == "torch" or top in sys.stdlib_module_names
     if "/torch/" in p:
         return True
     if "/site-packages/" in p or "/dist-packages/" in p:

@@ -449,7 +449,8 @@ def test_to_json_has_exactly_the_contract_fields() -> None:
                          "age_seconds", "timeout_seconds", "budget_used", "summary", "details", "activity"]
     assert doc["ranks"] == [3] and doc["waiting_ranks"] == [0, 1, 2]
     # Ranks without a sampled stack: the culprit's activity is unknown, and the summary says nothing of it.
-    assert doc["activity"] == {"3": {"state": "unknown", "frames": [], "cpu_percent": None, "since": None}}
+    assert doc["activity"] == {"3": {"state": "unknown", "frames": [], "frames_source": "recorder", "cpu_percent": None,
+                                     "since": None}}
 
 
 def test_order_is_deterministic_and_jobs_are_separate() -> None:

@@ -168,7 +168,8 @@ def test_culprit_activity_busy_or_idle(job_factory, exporter_factory, mode: str,
     assert set(api["activity"]) == {"1"}
     assert api["activity"]["1"]["state"] == state
     assert function in [f["function"] for f in api["activity"]["1"]["frames"]]
-    assert set(api["activity"]["1"]) == {"state", "frames", "cpu_percent", "since"}
+    assert set(api["activity"]["1"]) == {"state", "frames", "frames_source", "cpu_percent", "since"}
+    assert api["activity"]["1"]["frames_source"] == "recorder"
     ranks = {r["rank"]: r for r in status["ranks"]}
     assert function in [f["function"] for f in ranks[1]["activity"]["frames"]]
     # The waiting rank is in the collective: its innermost frame is torch.distributed's.

@@ -14,6 +14,7 @@ from frexporter.model import (
     ACTIVITY_IN_COLLECTIVE,
     ACTIVITY_UNKNOWN,
     ACTIVITY_WEDGED,
+    FRAMES_PYSPY,
     UNKNOWN_ACTIVITY,
     Activity,
     RankState,
@@ -43,9 +44,14 @@ def describe(rank: int, activity: Activity, now: float) -> str:
     cpu = f", {round(activity.cpu_percent)} % CPU" if activity.cpu_percent is not None else ""
     span = f" for {text.seconds(now - activity.since)}" if activity.since is not None else ""
     if activity.state == ACTIVITY_WEDGED:
+        if activity.frames_source == FRAMES_PYSPY:
+            where_now = f" in {at}" if at else " (no Python frames in its main thread)"
+            return (f"rank {rank} has been wedged{span}: its Python cannot run (the GIL held in native code); py-spy "
+                    f"finds its main thread{where_now}")
         last = f" (its last sample was in {at})" if at else ""
         return (f"rank {rank} is wedged: its Python cannot run (the GIL held in native code), so it cannot "
-                f"sample itself{last}; with --evidence-stacks the evidence bundle holds its py-spy stack")
+                f"sample itself{last}; with --evidence-stacks py-spy reads its stack for the exporter and the "
+                "evidence bundle")
     if activity.state == ACTIVITY_IN_COLLECTIVE:
         return f"rank {rank} has been waiting in a collective{span}" + (f", called from {at}" if at else "")
     if activity.state in (ACTIVITY_BUSY, ACTIVITY_IDLE) and at:

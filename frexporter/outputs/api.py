@@ -14,7 +14,7 @@ from typing import Any
 from frexporter import __version__
 from frexporter.analysis.activity import where as activity_where
 from frexporter.analysis.verdicts import Verdict, budget_left
-from frexporter.model import ACTIVITY_UNKNOWN, Activity, NodeSnapshot, PGState, RankState
+from frexporter.model import ACTIVITY_UNKNOWN, FRAMES_PYSPY, Activity, NodeSnapshot, PGState, RankState
 
 MAX_LISTED_MEMBERS = 64  # member ranks per process group (its "size" is the whole count)
 MAX_LISTED_RANKS = 256  # ranks of the node
@@ -222,7 +222,8 @@ def _activity_text(a: Activity, now: float) -> str:
     at = activity_where(a)
     span = f" for {now - a.since:.0f}s" if a.since is not None else ""
     cpu = f", {a.cpu_percent:.0f} % CPU" if a.cpu_percent is not None else ""
-    return f"{a.state}{' in ' + at if at else ''}{span}{cpu}"
+    by = " (py-spy)" if a.frames_source == FRAMES_PYSPY else ""
+    return f"{a.state}{' in ' + at if at else ''}{by}{span}{cpu}"
 
 
 def status_html(snap: NodeSnapshot) -> str:

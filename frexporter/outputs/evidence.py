@@ -3,9 +3,9 @@
 For each new verdict the exporter reads the full FR buffer of every local rank of the
 verdict's PG over its worker-server socket (C++, no GIL needed, so a wedged rank still
 answers) and, when enabled, the culprits' Python stacks (torch's ``pyspy_dump``
-handler runs py-spy outside the rank). Bundles are directories that ``frexporter
-analyze`` reads like torch's own dump files. Count and size are capped; the oldest
-bundles go first.
+handler runs py-spy as a child of the rank, which reads the rank without its GIL).
+Bundles are directories that ``frexporter analyze`` reads like torch's own dump files.
+Count and size are capped; the oldest bundles go first.
 
 The default evidence directory sits in the spool, which the ranks (other users in group
 mode) can write, so nothing here trusts a path: the directory is opened without following

@@ -12,6 +12,7 @@ from frexporter.model import (
     ACTIVITY_IN_COLLECTIVE,
     ACTIVITY_UNKNOWN,
     ACTIVITY_WEDGED,
+    FRAMES_RECORDER,
     RANK_DOWN,
     RANK_UNRESPONSIVE,
     Activity,
@@ -35,7 +36,7 @@ def classify(status: str, frames: tuple[Frame, ...], cpu_percent: float | None, 
     if status == RANK_DOWN:
         return ACTIVITY_GONE
     if status == RANK_UNRESPONSIVE:
-        return ACTIVITY_WEDGED  # its last stack is from before it stopped answering: shown, not judged
+        return ACTIVITY_WEDGED  # its stack (its last own sample, or py-spy's) is shown, not judged
     if not frames:
         return ACTIVITY_UNKNOWN
     if inflight and in_distributed(frames):
@@ -46,15 +47,17 @@ def classify(status: str, frames: tuple[Frame, ...], cpu_percent: float | None, 
 
 
 def next_activity(previous: Activity | None, status: str, frames: tuple[Frame, ...], cpu_percent: float | None,
-                  inflight: bool, now: float) -> Activity:
+                  inflight: bool, now: float, frames_source: str = FRAMES_RECORDER) -> Activity:
     """This poll's activity; ``since`` carries over while the state and the headline function stay the same,
-    ``last_busy`` while the rank is not busy."""
+    and through a whole wedge (its frames change from the rank's last own sample to py-spy's, the wedge does
+    not); ``last_busy`` carries over while the rank is not busy."""
     state = classify(status, frames, cpu_percent, inflight)
     last_busy = now if state == ACTIVITY_BUSY else previous.last_busy if previous is not None else None
-    current = Activity(state=state, frames=frames, cpu_percent=cpu_percent, since=now, last_busy=last_busy)
+    current = Activity(state=state, frames=frames, cpu_percent=cpu_percent, since=now, frames_source=frames_source,
+                       last_busy=last_busy)
     if previous is not None and previous.state == state and previous.since is not None:
         old, new = previous.headline(), current.headline()
-        if (old and old[:2]) == (new and new[:2]):
+        if state == ACTIVITY_WEDGED or (old and old[:2]) == (new and new[:2]):
             return Activity(state=state, frames=frames, cpu_percent=cpu_percent, since=previous.since,
-                            last_busy=last_busy)
+                            frames_source=frames_source, last_busy=last_busy)
     return current

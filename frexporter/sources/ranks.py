@@ -29,17 +29,20 @@ from frexporter.errors import FrexporterError
 from frexporter.fr import trace
 from frexporter.fr.domain import DeepView, translate
 from frexporter.model import (
+    FRAMES_PYSPY,
+    FRAMES_RECORDER,
     RANK_DOWN,
     RANK_EXITED,
     RANK_OK,
     RANK_UNRESPONSIVE,
     Activity,
     CollectiveStats,
+    Frame,
     InflightCollective,
     PGState,
     RankState,
 )
-from frexporter.sources import activity, worker_client
+from frexporter.sources import activity, pyspy, worker_client
 from frexporter.sources.base import Reading, SourceError
 from frexporter.sources.collectives import DEFAULT_WINDOW, CollectiveAccumulator, EntryCursor, GroupKey, LatenessTracker
 from frexporter.sources.thresholds import ThresholdConfig, ThresholdLearner
@@ -75,6 +78,10 @@ class RanksConfig:
     straggler_window: int = DEFAULT_WINDOW  # collectives per rank the lateness score averages over
     strict_permissions: bool = False  # a spool others may write is not read at all (source down), not just warned
     thresholds: ThresholdConfig = field(default_factory=ThresholdConfig)  # adaptive stuck threshold per PG
+    # A wedged rank's training-thread stack from py-spy, through torch's pyspy_dump handler (sources/pyspy.py);
+    # `serve --evidence-stacks` turns it on with the evidence bundles' stacks: both need py-spy and ptrace.
+    wedged_stacks: bool = False
+    stack_timeout: float = pyspy.FETCH_TIMEOUT  # one py-spy fetch, connect to last byte
 
 
 @dataclass
@@ -167,6 +174,11 @@ class _RankTrack:
     cpu_sample: tuple[float, float] | None = None  # (snapshot time, process CPU seconds) of the last snapshot
     cpu_percent: float | None = None  # CPU use between the last two snapshots that carried it
     activity: Activity | None = None
+    status: str | None = None  # liveness as judged at the last poll (model.RANK_*)
+    wedges: int = 0  # wedges seen so far: a py-spy answer belongs to the wedge it was asked in
+    stack_pending: tuple[cf.Future, int] | None = None  # a py-spy fetch in flight, and its wedge
+    stack_asked: float | None = None  # monotonic time of this wedge's last py-spy fetch
+    stack_frames: tuple[Frame, ...] | None = None  # py-spy's training-thread frames in this wedge
 
 
 class RanksSource:
@@ -190,6 +202,10 @@ class RanksSource:
         self._problems: list[PermissionProblem] = []  # permission problems found in this poll
         self._problems_known: set[str] = set()  # those reported, for as long as they last
         self._pool = cf.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="frexporter-sock")
+        # py-spy fetches have a pool of their own: they are slower than pings and deep reads, are never waited
+        # for, and must never hold back a socket thread a poll needs.
+        self._stack_pool = cf.ThreadPoolExecutor(max_workers=pyspy.MAX_CONCURRENT,
+                                                 thread_name_prefix="frexporter-pyspy")
         self.errors: list[tuple[str, str]] = []  # (reason, message) of the current poll
         self._collectives = CollectiveAccumulator(per_rank=config.per_rank_durations)
         self._lateness = LatenessTracker(window=config.straggler_window)
@@ -200,6 +216,7 @@ class RanksSource:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stack_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ poll
 
@@ -458,6 +475,7 @@ class RanksSource:
         return mono - track.last_fresh > allowed
 
     def _schedule_socket_work(self, mono: float, entries: dict[str, os.DirEntry]) -> None:
+        stacks_in_flight = sum(1 for t in self._ranks.values() if t.stack_pending is not None)
         for track in self._ranks.values():
             name = track.manifest.socket
             if not name:
@@ -467,13 +485,27 @@ class RanksSource:
             stale = self._stale(track, mono)
             ping = stale and track.ping_pending is None and track.deep_pending is None
             deep = track.deep_pending is None and self._wants_deep_read(track, mono, stale)
-            if not (ping or deep) or not self._socket_usable(track, name, entries.get(name)):
+            stack = stale and stacks_in_flight < pyspy.MAX_CONCURRENT and self._wants_stack(track, mono)
+            if not (ping or deep or stack) or not self._socket_usable(track, name, entries.get(name)):
                 continue
             path = self._path(name)
             if ping:
                 track.ping_pending = self._pool.submit(worker_client.ping, path, self.config.rank_timeout, self._trust)
             if deep:
                 track.deep_pending = self._pool.submit(self._deep_read, track.manifest, path)
+            if stack:
+                track.stack_asked = mono
+                fetch = self._stack_pool.submit(pyspy.fetch, path, self.config.stack_timeout, self._trust)
+                track.stack_pending = (fetch, track.wedges)
+                stacks_in_flight += 1
+
+    def _wants_stack(self, track: _RankTrack, mono: float) -> bool:
+        """Whether to ask py-spy for a wedged rank's stack now: once when the wedge is first judged (the last
+        poll said unresponsive: a rank that died since has been judged down by its ping), then every
+        REFRESH_INTERVAL while it lasts, one fetch per rank at a time."""
+        return (self.config.wedged_stacks and track.status == RANK_UNRESPONSIVE and track.stack_pending is None
+                and pyspy.HANDLER in track.manifest.handlers
+                and (track.stack_asked is None or mono - track.stack_asked >= pyspy.REFRESH_INTERVAL))
 
     def _socket_usable(self, track: _RankTrack, name: str, entry: os.DirEntry | None) -> bool:
         """Whether a rank's socket may be connected to: a socket (not a link to one) owned as the spool's mode
@@ -553,6 +585,8 @@ class RanksSource:
             cf.wait(futures, timeout=self.config.rank_timeout)
         now, mono = self.clock(), self.monotonic()
         for track in self._ranks.values():
+            if track.stack_pending is not None and track.stack_pending[0].done():
+                self._absorb_stack(track)
             if track.ping_pending is not None and track.ping_pending.done():
                 future, track.ping_pending = track.ping_pending, None
                 try:
@@ -574,6 +608,23 @@ class RanksSource:
                 except Exception as e:  # a torch answer we do not understand must not stop the poll
                     track.deep_time, track.deep_mono = now, mono
                     self._log_once(track, SourceError("bad_response", f"{track.stem}: {e!r}"))
+
+    def _absorb_stack(self, track: _RankTrack) -> None:
+        """A finished py-spy fetch (never waited for: a poll takes what is done). Its frames stand for the
+        wedge they were asked in, as long as that wedge lasts; failures are counted, the rank keeps its last
+        own sample."""
+        assert track.stack_pending is not None
+        (future, wedge), track.stack_pending = track.stack_pending, None
+        try:
+            frames = future.result()
+        except FrexporterError as e:  # the socket's failure, py-spy's, or an answer the parser refused
+            self._log_once(track, e)
+            return
+        except Exception as e:  # an answer we do not understand must not stop the poll
+            self._log_once(track, SourceError(pyspy.REASON_INVALID, f"{track.stem}: {e!r}"))
+            return
+        if wedge == track.wedges and track.status == RANK_UNRESPONSIVE:
+            track.stack_frames = frames
 
     def _log_once(self, track: _RankTrack, err: FrexporterError) -> None:
         self.errors.append((err.reason, str(err)))
@@ -676,6 +727,12 @@ class RanksSource:
             status = RANK_OK  # just started: the first snapshot is on its way
         else:
             status = RANK_DOWN
+        if status == RANK_UNRESPONSIVE and track.status != RANK_UNRESPONSIVE:
+            track.wedges += 1  # a new wedge: py-spy is asked afresh, an answer for an earlier one is dropped
+            track.stack_asked = track.stack_frames = None
+        elif status != RANK_UNRESPONSIVE:
+            track.stack_asked = track.stack_frames = None
+        track.status = status
         if status in (RANK_OK, RANK_UNRESPONSIVE):
             track.departed_at = None
         elif track.departed_at is None:
@@ -693,9 +750,12 @@ class RanksSource:
         pgs = self._pg_states(track, raw, now, mono)
         track.prev_raw = raw
         heartbeat = snap.time if snap is not None else None
+        frames, source = (snap.stack if snap is not None else ()), FRAMES_RECORDER
+        if track.stack_frames is not None:  # wedged, and py-spy answered for this wedge
+            frames, source = track.stack_frames, FRAMES_PYSPY
         track.activity = activity.next_activity(
-            track.activity, status, snap.stack if snap is not None else (), track.cpu_percent,
-            any(pg.inflight_count > 0 for pg in pgs), now)
+            track.activity, status, frames, track.cpu_percent, any(pg.inflight_count > 0 for pg in pgs), now,
+            source)
         return RankState(
             job_id=m.job_id,
             rank=m.rank,

@@ -1,0 +1,342 @@
+"""A wedged rank's stack from py-spy (torch's ``pyspy_dump``): the parser on real py-spy output and on garbage, the
+activity it makes, and how the ranks source asks for it (once per wedge, never holding a poll, a few at a time).
+The live end-to-end test is tests/test_wedged_stacks_live.py."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from frexporter import spool
+from frexporter.analysis.activity import describe
+from frexporter.model import FRAMES_PYSPY, FRAMES_RECORDER, RANK_OK, RANK_UNRESPONSIVE, Activity, RankState
+from frexporter.sources import pyspy
+from frexporter.sources.activity import next_activity
+from frexporter.sources.base import SourceError
+from frexporter.sources.ranks import RanksConfig, RanksSource
+from tests import spoolgen
+from tests.harness import REPO, wait_for
+
+GOLDEN = REPO / "tests" / "golden" / "pyspy"
+# Real py-spy 0.4 output: torch's pyspy_dump answer for tests/workers/job.py's rank holding the GIL in C, and
+# `py-spy dump --nonblocking` of a process 43 frames deep (a non-ASCII function name, a thread named with quotes),
+# the same with --native (C frames, no line numbers), and forced colours (CLICOLOR_FORCE=1).
+WEDGED = (GOLDEN / "wedged.txt").read_bytes()
+DEEP = (GOLDEN / "deep.txt").read_bytes()
+NATIVE = (GOLDEN / "native.txt").read_bytes()
+COLOR = (GOLDEN / "color.txt").read_bytes()
+OWN_SAMPLE = ("idle", "/work/tests/workers/job.py", 47)
+
+
+def test_real_dumps_parse_to_the_main_threads_innermost_frames() -> None:
+    assert pyspy.parse_dump(WEDGED, "w") == (("hold_gil", "job.py", 54), ("<module>", "job.py", 106))
+    deep = pyspy.parse_dump(DEEP, "d")
+    assert len(deep) == spool.MAX_STACK_FRAMES  # 43 in the dump: the innermost kept, as the recorder keeps them
+    assert deep[0] == ("rekursion_ü", "deep.py", 11) and set(deep[1:]) == {("rekursion_ü", "deep.py", 13)}
+    assert pyspy.parse_dump(COLOR, "c") == deep
+    native = pyspy.parse_dump(NATIVE, "n")
+    assert native[:3] == (("clock_nanosleep", "libc.so.6", 0), ("nanosleep", "libc.so.6", 0),
+                          ("usleep", "libc.so.6", 0))
+    assert len(native) == spool.MAX_STACK_FRAMES
+
+
+def test_main_thread_by_pid_else_by_name_and_only_the_first_process() -> None:
+    text = WEDGED.decode()
+    head, rest = text.split("Thread 23934", 1)
+    main, other = rest.split("Thread 23943", 1)
+    # Listed after another thread: found by its id, the process's pid.
+    main_last = f"{head}Thread 23943{other}Thread 23934{main}"
+    assert pyspy.parse_dump(main_last.encode(), "x")[0] == ("hold_gil", "job.py", 54)
+    # Threads named by pthread ids (py-spy without native ids): the one named MainThread.
+    hex_ids = text.replace("Thread 23934", "Thread 0x7F3A1C2B4740").replace("Thread 23943", "Thread 0x7F3A0D1FF640")
+    assert pyspy.parse_dump(hex_ids.encode(), "x")[0] == ("hold_gil", "job.py", 54)
+    # --subprocesses appends children's dumps, whose main threads are never taken for the rank's.
+    child = text.replace("23934", "999").replace("hold_gil", "child_fn")
+    both = f"{text}\n{'-' * 80}\n{child}"
+    assert pyspy.parse_dump(both.encode(), "x")[0] == ("hold_gil", "job.py", 54)
+    anonymous = hex_ids.replace('"MainThread"', '"renamed"')
+    with pytest.raises(SourceError) as e:
+        pyspy.parse_dump(f"{anonymous}\n{'-' * 80}\n{child}".encode(), "x")
+    assert e.value.reason == pyspy.REASON_INVALID
+
+
+def test_locals_and_blank_lines_are_passed_over() -> None:
+    text = WEDGED.decode().replace("    hold_gil (job.py:54)\n", "    hold_gil (job.py:54)\n        Arguments:\n"
+                                   "            seconds: 12.0\n\n")
+    assert pyspy.parse_dump(text.encode(), "x")[:2] == (("hold_gil", "job.py", 54), ("<module>", "job.py", 106))
+
+
+GARBAGE = {
+    "not utf-8": (b"Process 1: x\n\xff\xfe\n", pyspy.REASON_INVALID),
+    "binary": (bytes(range(256)) * 4, pyspy.REASON_INVALID),
+    "empty": (b"", pyspy.REASON_INVALID),
+    "a shell error": (b"sh: 1: py-spy: not found\n", pyspy.REASON_INVALID),
+    "py-spy's permission error": (b"Permission Denied: Try running again with elevated permissions by going "
+                                  b"'sudo env \"PATH=$PATH\" !!'\n", pyspy.REASON_INVALID),
+    "html": (b"<html><body>Process 1: </body></html>", pyspy.REASON_INVALID),
+    "no main thread": (WEDGED.replace(b"Thread 23934 (idle): \"MainThread\"", b"Thread 5 (idle): \"w\""),
+                       pyspy.REASON_INVALID),
+    "bad thread line": (WEDGED.replace(b"Thread 23934 (idle)", b"Thread 23934 (idle) extra"), pyspy.REASON_INVALID),
+    "bad frame": (WEDGED.replace(b"hold_gil (job.py:54)", b"hold_gil job.py:54"), pyspy.REASON_INVALID),
+    "frame without file": (WEDGED.replace(b"hold_gil (job.py:54)", b"hold_gil ()"), pyspy.REASON_INVALID),
+    "long function": (WEDGED.replace(b"hold_gil", b"f" * (spool.MAX_FRAME_TEXT_CHARS + 1)), spool.LIMIT_TEXT),
+    "long file": (WEDGED.replace(b"job.py:54", b"d/" * 300 + b"job.py:54"), spool.LIMIT_TEXT),
+    "long line": (WEDGED.replace(b"hold_gil", b"f (" * 2000), spool.LIMIT_TEXT),
+    "oversized": (WEDGED + b"    x (y.py:1)\n" * (pyspy.MAX_DUMP_BYTES // 15), "oversized"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GARBAGE))
+def test_garbage_is_a_counted_reason_never_a_crash(case: str) -> None:
+    data, reason = GARBAGE[case]
+    with pytest.raises(SourceError) as e:
+        pyspy.parse_dump(data, "rank0.sock")
+    assert e.value.reason == reason
+
+
+def test_odd_but_bounded_frames_parse() -> None:
+    odd = WEDGED.replace(b"hold_gil (job.py:54)", b"Foo.<locals>.<lambda> (dir (copy)/my:file.py:7)") \
+        .replace(b"<module> (job.py:106)", b"<module> (job.py:99999999999999999999)")
+    frames = pyspy.parse_dump(odd, "x")
+    assert frames[0] == ("Foo.<locals>.<lambda>", "dir (copy)/my:file.py", 7)
+    assert frames[1] == ("<module>", "job.py:99999999999999999999", 0)  # not a line number we keep: part of the name
+
+
+def test_py_spy_names_keep_torch_and_the_standard_library_out_of_the_headline() -> None:
+    frames = (("wait", "torch/distributed/distributed_c10d.py", 10), ("get", "queue.py", 180),
+              ("decode", "json/decoder.py", 337), ("train_step", "train.py", 42), ("<module>", "train.py", 99))
+    assert Activity(state="wedged", frames=frames, frames_source=FRAMES_PYSPY).headline() == frames[3]
+    assert Activity(frames=(("f", "transformers/trainer.py", 1),)).headline()[1] == "transformers/trainer.py"
+    assert Activity(frames=(("f", "C:/venv/Lib/site-packages/torch/x.py", 1), ("g", "C:/job/t.py", 2))
+                    ).headline()[0] == "g"
+
+
+def test_wedged_text_and_since_across_sources() -> None:
+    own = next_activity(None, RANK_UNRESPONSIVE, (OWN_SAMPLE,), None, False, 100.0)
+    assert (own.state, own.frames_source, own.since) == ("wedged", FRAMES_RECORDER, 100.0)
+    assert "cannot sample itself (its last sample was in idle (job.py:47))" in describe(0, own, 110.0)
+    assert "--evidence-stacks" in describe(0, own, 110.0)
+    spied = next_activity(own, RANK_UNRESPONSIVE, pyspy.parse_dump(WEDGED, "w"), None, False, 101.0, FRAMES_PYSPY)
+    # Another function, the same wedge: since stays when it stopped answering.
+    assert (spied.state, spied.frames_source, spied.since) == ("wedged", FRAMES_PYSPY, 100.0)
+    assert describe(0, spied, 130.0) == ("rank 0 has been wedged for 30s: its Python cannot run (the GIL held in "
+                                         "native code); py-spy finds its main thread in hold_gil (job.py:54)")
+    assert spied.to_json()["frames_source"] == "py-spy"
+    back = next_activity(spied, RANK_OK, (OWN_SAMPLE,), 1.0, False, 140.0)
+    assert (back.state, back.frames_source, back.since) == ("idle", FRAMES_RECORDER, 140.0)
+
+
+# ------------------------------------------------------------------ the ranks source, over real sockets
+
+
+class ScriptedWorker:
+    """A unix socket answering like torch's worker server: ``answers`` maps a handler to (HTTP status, body), or
+    to None for a handler that never answers. ``calls`` counts requests per handler; ``shared`` counts the
+    pyspy_dump requests open at once, over every worker that shares it."""
+
+    def __init__(self, path: Path, answers: dict[str, tuple[int, bytes] | None], shared: dict[str, int]) -> None:
+        self.answers = answers
+        self.calls: Counter[str] = Counter()
+        self.shared = shared
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.threads: list[threading.Thread] = []
+        self.acceptor = threading.Thread(target=self._accept, daemon=True)
+        self.acceptor.start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                data += chunk
+            handler = data.split(b" ")[1].split(b"?")[0].rsplit(b"/", 1)[-1].decode()
+            with self.lock:
+                self.calls[handler] += 1
+                if handler == pyspy.HANDLER:
+                    self.shared["open"] += 1
+                    self.shared["most"] = max(self.shared["most"], self.shared["open"])
+            try:
+                answer = self.answers.get(handler, (404, b""))
+                if answer is None:
+                    self._hang(conn)
+                    return
+                status, body = answer
+                conn.sendall(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n" % (status, len(body)) + body)
+            except OSError:
+                pass  # the client gave up (an oversized answer, a timeout)
+            finally:
+                if handler == pyspy.HANDLER:
+                    with self.lock:
+                        self.shared["open"] -= 1
+
+    def _hang(self, conn: socket.socket) -> None:
+        """Answer nothing, until the client hangs up (as py-spy's handler thread would, a request at a time)."""
+        conn.settimeout(0.05)
+        while not self.stop.is_set():
+            try:
+                if not conn.recv(1):
+                    return
+            except TimeoutError:
+                continue
+
+    def close(self) -> None:
+        self.stop.set()
+        self.acceptor.join()
+        for thread in self.threads:
+            thread.join()
+        self.sock.close()
+
+
+class Rig:
+    """Wedged ranks (a stale snapshot, a live socket listing pyspy_dump) and a ranks source whose clocks a test can
+    move forward."""
+
+    def __init__(self, tmp: Path, answers: dict[str, tuple[int, bytes] | None], ranks: int = 1,
+                 handlers: tuple[str, ...] = ("ping", pyspy.HANDLER), **config: object) -> None:
+        self.tmp = tmp
+        self.offset = 0.0
+        self.shared = {"open": 0, "most": 0}
+        self.workers = []
+        for rank in range(ranks):
+            stem = spoolgen.write_rank(tmp, "job", rank, socket=f"w{rank}.sock", handlers=list(handlers),
+                                       recorders=[])
+            self.wedge(rank, stem)
+            self.workers.append(ScriptedWorker(tmp / f"w{rank}.sock", answers, self.shared))
+        options: dict[str, object] = {"poll_interval": 0.2, "rank_timeout": 0.5, "wedged_stacks": True}
+        options.update(config)
+        self.config = RanksConfig(directory=str(tmp), **options)  # type: ignore[arg-type]
+        self.source = RanksSource(self.config, clock=lambda: time.time() + self.offset,
+                                  monotonic=lambda: time.monotonic() + self.offset)
+        self.errors: Counter[str] = Counter()
+        self.durations: list[float] = []
+
+    def wedge(self, rank: int, stem: str | None = None) -> None:
+        """A snapshot from long ago, with the rank's own last sample."""
+        stem = stem or spool.rank_stem("job", rank)
+        spool.write_json_atomic(str(self.tmp / (stem + spool.SNAPSHOT_SUFFIX)),
+                                spoolgen.snapshot(100000 + rank, when=1.0, stack=[list(OWN_SAMPLE)]))
+
+    def poll(self) -> dict[int, RankState]:
+        started = time.monotonic()
+        states = self.source.read_ranks()
+        self.durations.append(time.monotonic() - started)
+        self.errors.update(reason for reason, _ in self.source.errors)
+        return {s.rank: s for s in states}
+
+    def calls(self) -> int:
+        return sum(w.calls[pyspy.HANDLER] for w in self.workers)
+
+    def close(self) -> None:
+        self.source.close()
+        for worker in self.workers:
+            worker.close()
+
+
+@pytest.fixture
+def rig(tmp_path: Path):
+    rigs: list[Rig] = []
+
+    def make(*args: object, **kw: object) -> Rig:
+        rigs.append(Rig(tmp_path / f"spool{len(rigs)}", *args, **kw))  # type: ignore[arg-type]
+        return rigs[-1]
+
+    yield make
+    for r in rigs:
+        r.close()
+
+
+def spied(r: Rig, rank: int = 0) -> RankState:
+    return wait_for(lambda: (s := r.poll().get(rank)) and s.activity.frames_source == FRAMES_PYSPY and s,
+                    timeout=10, what="py-spy's frames in the activity")
+
+
+def test_one_fetch_per_wedge_a_slow_refresh_and_a_new_wedge_asks_again(rig) -> None:
+    r = rig({"ping": (200, b"pong"), pyspy.HANDLER: (200, WEDGED)})
+    first = r.poll()[0]
+    assert first.status == RANK_UNRESPONSIVE and first.activity.state == "wedged"
+    assert (first.activity.frames, first.activity.frames_source) == ((OWN_SAMPLE,), FRAMES_RECORDER)
+    state = spied(r)
+    assert state.status == RANK_UNRESPONSIVE and state.activity.state == "wedged"
+    assert state.activity.frames == (("hold_gil", "job.py", 54), ("<module>", "job.py", 106))
+    for _ in range(20):
+        assert r.poll()[0].activity.frames_source == FRAMES_PYSPY
+    assert r.calls() == 1
+    r.offset += pyspy.REFRESH_INTERVAL
+    wait_for(lambda: r.poll() and r.calls() == 2, timeout=10, what="the refresh")
+    for _ in range(5):
+        r.poll()
+    assert r.calls() == 2
+    # It recovers: its own samples again, py-spy's frames dropped.
+    spoolgen.refresh(r.tmp, "job", 0, counter=2)
+    back = r.poll()[0]
+    assert back.status == RANK_OK and back.activity.frames_source == FRAMES_RECORDER
+    # A new wedge is asked about at once, without waiting for the refresh interval.
+    r.offset += 10.0
+    wait_for(lambda: r.poll()[0].status == RANK_UNRESPONSIVE, timeout=10, what="wedged again")
+    spied(r)
+    assert r.calls() == 3
+    assert not r.errors
+
+
+def test_failing_py_spy_is_counted_once_per_wedge_and_the_own_sample_stays(rig) -> None:
+    r = rig({"ping": (200, b"pong"), pyspy.HANDLER: (500, b"sh: 1: py-spy: not found\n")})
+    wait_for(lambda: r.poll() and r.errors[pyspy.REASON_FAILED], timeout=10, what="py-spy's failure counted")
+    for _ in range(10):
+        state = r.poll()[0]
+    assert state.activity.state == "wedged" and state.activity.frames == (OWN_SAMPLE,)
+    assert state.activity.frames_source == FRAMES_RECORDER
+    assert r.errors == Counter({pyspy.REASON_FAILED: 1}) and r.calls() == 1
+
+
+@pytest.mark.parametrize("answer,reason", [((200, b"\xff\xfegarbage"), pyspy.REASON_INVALID),
+                                           ((200, b"Process 1: x\n" + b"y" * (pyspy.MAX_DUMP_BYTES + 70_000)),
+                                            "oversized"),
+                                           ((404, b""), "handler_missing")])
+def test_bad_answers_through_the_socket(rig, answer: tuple[int, bytes], reason: str) -> None:
+    r = rig({"ping": (200, b"pong"), pyspy.HANDLER: answer})
+    wait_for(lambda: r.poll() and r.errors[reason], timeout=10, what=reason)
+    assert r.poll()[0].activity.frames == (OWN_SAMPLE,)
+    assert r.errors == Counter({reason: 1})
+
+
+def test_off_without_the_flag_or_the_handler(rig) -> None:
+    off = rig({"ping": (200, b"pong"), pyspy.HANDLER: (200, WEDGED)}, wedged_stacks=False)
+    for _ in range(5):
+        assert off.poll()[0].activity.frames_source == FRAMES_RECORDER
+    assert off.calls() == 0
+    unlisted = rig({"ping": (200, b"pong"), pyspy.HANDLER: (200, WEDGED)}, handlers=("ping",))
+    for _ in range(5):
+        assert unlisted.poll()[0].status == RANK_UNRESPONSIVE
+    assert unlisted.calls() == 0
+
+
+def test_hung_py_spy_never_holds_a_poll_and_few_run_at_once(rig) -> None:
+    r = rig({"ping": (200, b"pong"), pyspy.HANDLER: None}, ranks=4, stack_timeout=1.0)
+    # Every wedged rank is asked in the end, at most MAX_CONCURRENT at a time; each fetch gives up at its timeout.
+    wait_for(lambda: r.poll() and r.errors["socket_timeout"] >= 4, timeout=20, what="every fetch timed out")
+    assert r.calls() == 4 and r.shared["most"] == pyspy.MAX_CONCURRENT
+    # A poll waits on pings (rank_timeout at most), never on py-spy (plus scheduling slack on a shared machine).
+    assert max(r.durations) < r.config.rank_timeout + 0.4, max(r.durations)
+    assert all(s.activity.frames_source == FRAMES_RECORDER for s in r.poll().values())
