@@ -80,17 +80,21 @@ _SCALED = re.compile(r"([\d.]+)[\s)\]]*#\s*@scale")
 
 @dataclass(frozen=True)
 class Timing:
-    threshold: float | None  # the first scaled literal of the expression (seconds), if any
+    # The first scaled literal (seconds) of the recording rules the alert reads, then of its own expression;
+    # FrexporterCollectiveDesync: the fallback threshold of its culprits' record, not its busy ceiling.
+    threshold: float | None
     hold: float  # "for:"
 
 
 def rule_timings(scale: float) -> dict[str, Timing]:
+    rules = [rule for group in load_rules(scale)["groups"] for rule in group["rules"]]
+    records = {rule["record"]: rule["expr"] for rule in rules if "record" in rule}
     out = {}
-    for group in load_rules(scale)["groups"]:
-        for rule in group["rules"]:
-            if "alert" in rule:
-                found = _SCALED.search(rule["expr"])
-                out[rule["alert"]] = Timing(float(found[1]) if found else None, parse_duration(rule.get("for", "0s")))
+    for rule in rules:
+        if "alert" in rule:
+            read = "".join(expr for name, expr in records.items() if name in rule["expr"])
+            found = _SCALED.search(read + "\n" + rule["expr"])
+            out[rule["alert"]] = Timing(float(found[1]) if found else None, parse_duration(rule.get("for", "0s")))
     return out
 
 
@@ -112,6 +116,9 @@ class Settings:
             t = self.rules[name]
             if name == BUDGET:  # its scaled literal is a margin below half of each PG's own timeout
                 return f"{name} >= 0.5 x timeout - {t.threshold:g}s, for {t.hold:g}s"
+            if name == DESYNC:  # the learned threshold, this where none is exported; busy culprits: the ceiling
+                return (f"{name} >= the PG's learned threshold ({t.threshold:g}s without one; a busy culprit: "
+                        f"the ceiling, --stuck-after), for {t.hold:g}s")
             return f"{name} {'' if t.threshold is None else f'>= {t.threshold:g}s, '}for {t.hold:g}s"
 
         return "\n".join([
