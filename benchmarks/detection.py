@@ -410,7 +410,8 @@ def print_table(results: list[Result], settings: Settings) -> None:
     print("-" * len(head))
     for r in results:
         after = None if r.verdict_s is None else r.verdict_s - settings.stuck_after
-        labels = ",".join(f"{k}={r.alert_labels[k]}" for k in ("rank", "pg_desc", "severity") if k in r.alert_labels)
+        labels = ",".join(f"{k}={r.alert_labels[k]}" for k in ("rank", "pg_desc", "severity", "culprit_state")
+                           if k in r.alert_labels)
         print(f"{r.fault.kind:<18} {r.fault.what:<40} {r.verdict:<22} {_cell(r.verdict_s):>9} "
               f"{_cell(after) if r.fault.kind in ('missing_rank', 'mismatch') else '':>7} "
               f"{r.fault.alert:<27} {_cell(r.alert_s):>7}  {labels}")
