@@ -2,6 +2,8 @@
 
     python -m benchmarks.detection                 # inject each fault, print the latency table
     python -m benchmarks.detection --soak [SECONDS]  # a healthy, skewed job: count verdicts and alerts (0)
+    python -m benchmarks.detection --steady          # idle, deadlock, SIGKILL at the shipped settings
+    python -m benchmarks.detection --checkpoint-soak [SECONDS]  # busy evaluations and a 3-minute checkpoint
 
 For each fault a fresh job (its own job_id) runs under one exporter on the port the stack's Prometheus
 scrapes; the fault is injected through the job's control files (tests/workers/job.py) and timed from the
@@ -17,6 +19,13 @@ exporter's ``stuck_after`` defaults to the scaled desync threshold, as in the e2
 up to that much, so left at 15 s it alone would outlast a 3 s threshold). All settings are printed with
 the results. Exit status 1 when a fault goes undetected or blames the wrong rank, or when the soak sees
 any verdict or fired alert.
+
+The checkpoint soak runs at the shipped settings (rules unscaled, scrape and evaluation every 15 s, the
+default ``serve`` flags, the recorder's default snapshot interval) with Alertmanager routed as
+docs/detection.md recommends: alerts whose culprit is busy go to a "hold" receiver, all others to "page".
+Rank 0 evaluates (computes in Python) 20 s every few hundred steps and checkpoints (computes) 3 minutes once
+while the others wait in the next collective. Exit status 1 on any page, on a verdict outside the
+checkpoint, or when the checkpoint's verdict does not call its culprit busy or nothing reaches "hold".
 """
 
 from __future__ import annotations
@@ -39,8 +48,9 @@ from frexporter import defaults
 from frexporter import naming as n
 from frexporter.app import App, build_app
 from frexporter.sources.ranks import RanksConfig
+from frexporter.spool import DEFAULT_SNAPSHOT_INTERVAL
 from tests.harness import Job, wait_for
-from tests.promstack import INTERVAL_S, SCALE, PromStack, running_stack
+from tests.promstack import INTERVAL_S, SCALE, Notification, PromStack, running_stack
 from tests.rulefile import load_rules, parse_duration
 
 DESYNC = "FrexporterCollectiveDesync"
@@ -53,6 +63,14 @@ SNAPSHOT_INTERVAL_S = 0.2  # FREXPORTER_SNAPSHOT_INTERVAL the harness gives the 
 HTTP_TIMEOUT_S = 5.0
 SOAK_JITTER_S = 0.3  # each soak step's random compute, at most
 SOAK_PAUSE_EVERY = 5  # steps between rank 0's pauses in the soak
+# The checkpoint soak (issues 13 and 15). A step takes about 0.28 s here (4 ranks, 2 cores), so rank 0
+# evaluates about every 85 s of steps: four or five times in 10 minutes, besides the checkpoint.
+CHECKPOINT_SOAK_S = 600.0
+CKPT_EVAL_EVERY = 300  # steps
+CKPT_EVAL_S = 20.0
+CKPT_AT_S = 240.0  # after the job's first step: the PG has history by then
+CKPT_S = 180.0
+CKPT_TIMEOUT_S = 600.0  # the ranks' watchdog timeout: NCCL's default
 
 
 # --- the rules at the stack's scale ------------------------------------------------------------------------
@@ -62,17 +80,21 @@ _SCALED = re.compile(r"([\d.]+)[\s)\]]*#\s*@scale")
 
 @dataclass(frozen=True)
 class Timing:
-    threshold: float | None  # the first scaled literal of the expression (seconds), if any
+    # The first scaled literal (seconds) of the recording rules the alert reads, then of its own expression;
+    # FrexporterCollectiveDesync: the fallback threshold of its culprits' record, not its busy ceiling.
+    threshold: float | None
     hold: float  # "for:"
 
 
 def rule_timings(scale: float) -> dict[str, Timing]:
+    rules = [rule for group in load_rules(scale)["groups"] for rule in group["rules"]]
+    records = {rule["record"]: rule["expr"] for rule in rules if "record" in rule}
     out = {}
-    for group in load_rules(scale)["groups"]:
-        for rule in group["rules"]:
-            if "alert" in rule:
-                found = _SCALED.search(rule["expr"])
-                out[rule["alert"]] = Timing(float(found[1]) if found else None, parse_duration(rule.get("for", "0s")))
+    for rule in rules:
+        if "alert" in rule:
+            read = "".join(expr for name, expr in records.items() if name in rule["expr"])
+            found = _SCALED.search(read + "\n" + rule["expr"])
+            out[rule["alert"]] = Timing(float(found[1]) if found else None, parse_duration(rule.get("for", "0s")))
     return out
 
 
@@ -87,12 +109,16 @@ class Settings:
     stuck_after: float  # exporter
     deep_interval: float  # exporter: how stale a PG with p2p traffic may be reported (see RanksConfig)
     rules: dict[str, Timing] = field(hash=False)
+    snapshot_interval: float = SNAPSHOT_INTERVAL_S  # ranks (FREXPORTER_SNAPSHOT_INTERVAL)
 
     def describe(self) -> str:
         def rule(name: str) -> str:
             t = self.rules[name]
             if name == BUDGET:  # its scaled literal is a margin below half of each PG's own timeout
                 return f"{name} >= 0.5 x timeout - {t.threshold:g}s, for {t.hold:g}s"
+            if name == DESYNC:  # the learned threshold, this where none is exported; busy culprits: the ceiling
+                return (f"{name} >= the PG's learned threshold ({t.threshold:g}s without one; a busy culprit: "
+                        f"the ceiling, --stuck-after), for {t.hold:g}s")
             return f"{name} {'' if t.threshold is None else f'>= {t.threshold:g}s, '}for {t.hold:g}s"
 
         return "\n".join([
@@ -100,7 +126,7 @@ class Settings:
             f"{self.interval:g}s; Alertmanager group_wait = group_interval 1s",
             f"exporter: poll interval {self.poll_interval:g}s, stuck_after {self.stuck_after:g}s, deep_interval "
             f"{self.deep_interval:g}s, rank_timeout {RanksConfig.rank_timeout:g}s, nvml off; ranks: snapshot "
-            f"interval {SNAPSHOT_INTERVAL_S:g}s; "
+            f"interval {self.snapshot_interval:g}s; "
             f"verdicts polled every {STATUS_POLL_S:g}s",
             "rules: " + "; ".join(rule(a) for a in (DESYNC, STALLED, BUDGET, RANK_DOWN, UNRESPONSIVE)),
         ])
@@ -121,7 +147,7 @@ class Watched:
                  job_id: str, env: dict[str, str]) -> None:
         self.stack = stack
         self.job = Job(workdir, scenario, world, job_id=job_id,
-                       env={"FREXPORTER_SNAPSHOT_INTERVAL": f"{SNAPSHOT_INTERVAL_S:g}", **env})
+                       env={"FREXPORTER_SNAPSHOT_INTERVAL": f"{settings.snapshot_interval:g}", **env})
         self.settings = settings
         self.app: App | None = None
 
@@ -165,6 +191,18 @@ class Watched:
         labels = {"job_id": self.job.job_id} | ({"alertname": alertname} if alertname else {})
         return [(note.received, note.labels) for note in self.stack.webhook.notifications(**labels)
                 if note.status == "firing"]
+
+    def held(self) -> list[Notification]:
+        """Every notification for the job at the stack's hold receiver (firing and resolved)."""
+        return [] if self.stack.hold is None else self.stack.hold.notifications(job_id=self.job.job_id)
+
+    def status(self) -> tuple[list[dict[str, Any]], dict[int, str]]:
+        """The job's verdicts, and each of its ranks' activity state, from one /api/v1/status."""
+        assert self.app is not None
+        found = _get_json(f"http://127.0.0.1:{self.app.port}/api/v1/status")
+        job = self.job.job_id
+        return ([v for v in found["verdicts"] if v["job_id"] == job],
+                {r["rank"]: r["activity"]["state"] for r in found["ranks"] if r["job_id"] == job})
 
 
 # --- faults ------------------------------------------------------------------------------------------------
@@ -372,7 +410,8 @@ def print_table(results: list[Result], settings: Settings) -> None:
     print("-" * len(head))
     for r in results:
         after = None if r.verdict_s is None else r.verdict_s - settings.stuck_after
-        labels = ",".join(f"{k}={r.alert_labels[k]}" for k in ("rank", "pg_desc", "severity") if k in r.alert_labels)
+        labels = ",".join(f"{k}={r.alert_labels[k]}" for k in ("rank", "pg_desc", "severity", "culprit_state")
+                           if k in r.alert_labels)
         print(f"{r.fault.kind:<18} {r.fault.what:<40} {r.verdict:<22} {_cell(r.verdict_s):>9} "
               f"{_cell(after) if r.fault.kind in ('missing_rank', 'mismatch') else '':>7} "
               f"{r.fault.alert:<27} {_cell(r.alert_s):>7}  {labels}")
@@ -440,6 +479,150 @@ def run_soak(stack: PromStack, settings: Settings, seconds: float, workdir: Path
     return not (verdicts or exported or notes or fired or dead)
 
 
+# --- checkpoint soak -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    seconds: float  # watched
+    eval_every: int  # steps
+    eval_s: float
+    checkpoint_at: float  # seconds after the job's first step
+    checkpoint_s: float
+    timeout: float  # the ranks' watchdog timeout
+
+
+@dataclass
+class Seen:
+    """One verdict (kind, PG, culprits, seq) as polled: when, and what its culprits were doing."""
+
+    first: float
+    last: float
+    states: set[str] = field(default_factory=set)
+    functions: set[str] = field(default_factory=set)
+
+
+def _busy_windows(job: Job) -> list[tuple[str, float, float]]:
+    path = job.control / "rank0.busy.log"
+    lines = path.read_text().split("\n") if path.exists() else []
+    return [(kind, float(start), float(end)) for kind, start, end in (line.split() for line in lines if line)]
+
+
+def _scalar(stack: PromStack, promql: str) -> float | None:
+    found = stack.query(promql)
+    return float(found[0]["value"][1]) if found else None
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"
+
+
+def run_checkpoint_soak(stack: PromStack, settings: Settings, plan: CheckpointPlan, workdir: Path,
+                        world: int) -> bool:
+    job_id = f"checkpoint-soak-{int(time.time())}"
+    env = {"JOB_TIMEOUT": f"{plan.timeout:g}", "JOB_JITTER_SECONDS": f"{SOAK_JITTER_S:g}",
+           "JOB_EVAL_EVERY": str(plan.eval_every), "JOB_EVAL_SECONDS": f"{plan.eval_s:g}",
+           "JOB_CHECKPOINT_AFTER": f"{plan.checkpoint_at:g}", "JOB_CHECKPOINT_SECONDS": f"{plan.checkpoint_s:g}",
+           "JOB_MAX_LIFETIME": f"{plan.seconds + 300:g}"}
+    print(f"checkpoint soak: {world} gloo ranks (watchdog timeout {plan.timeout:g}s), steps of 0-{SOAK_JITTER_S:g}s "
+          f"random sleep + send/recv pipeline + all_reduce; every {plan.eval_every} steps rank 0 evaluates "
+          f"{plan.eval_s:g}s (computes in Python), alternately before the pipeline (the others wait in a p2p recv) "
+          f"and before the all_reduce (they wait in it); once, {plan.checkpoint_at:g}s after its first step, rank 0 "
+          f"checkpoints {plan.checkpoint_s:g}s (computes) before the all_reduce; watched {plan.seconds:g}s",
+          flush=True)
+    print("Alertmanager: root receiver 'page'; child route culprit_state=\"busy\" -> 'hold' (docs/detection.md)",
+          flush=True)
+    seen: dict[tuple[str, str, str, int], Seen] = {}
+    rank0: list[tuple[float, str]] = []  # (time, rank 0's activity state) at every status poll
+    with Watched(stack, settings, workdir, "checkpoint_soak", world, job_id, env) as watched:
+        sel = f'job_id="{job_id}",pg_desc="default_pg"'
+        first_seq = _scalar(stack, f"max({n.PG_LAST_COMPLETED_SEQ}{{{sel}}})") or 0.0
+        started = time.time()
+        while time.time() - started < plan.seconds:
+            now = time.time()
+            verdicts, states = watched.status()
+            if 0 in states:
+                rank0.append((now, states[0]))
+            for v in verdicts:
+                one = seen.setdefault((v["kind"], v["pg_desc"], json.dumps(v["ranks"]), v["seq"]), Seen(now, now))
+                one.last = now
+                for activity in v["activity"].values():
+                    one.states.add(activity["state"])
+                    one.functions.update(f["function"] for f in activity["frames"][:1])
+            time.sleep(STATUS_POLL_S)
+        ended = time.time()
+        span = int(ended - started) + 1
+        dead = [r for r, p in enumerate(watched.job.procs) if p.poll() is not None]
+        steps = (_scalar(stack, f"max({n.PG_LAST_COMPLETED_SEQ}{{{sel}}})") or 0.0) - first_seq
+        every = f"[{span}s:{settings.interval:g}s]"
+        age = f"max(time() - {n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS}{{job_id=\"{job_id}\"}})"
+        longest = _scalar(stack, f"max_over_time(({age}){every})")
+        threshold = f"{n.PG_STUCK_THRESHOLD_SECONDS}{{{sel}}}"
+        lowest, highest = (_scalar(stack, f"{f}_over_time((min({threshold})){every})") for f in ("min", "max"))
+        alerts = stack.query(f'max_over_time(ALERTS{{job_id="{job_id}"}}[{span}s])')
+        exported = stack.query(f'max_over_time({n.VERDICT}{{job_id="{job_id}"}}[{span}s])')
+        windows = _busy_windows(watched.job)
+        checkpoint = next(((s, e) for kind, s, e in windows if kind == "checkpoint"), None)
+        at_checkpoint = None if checkpoint is None or checkpoint[0] < started else _scalar(
+            stack, f"min({threshold} offset {max(1, int(ended - checkpoint[0]))}s)")
+        paged = [(t, labels) for t, labels in watched.firing()]
+        held = watched.held()
+    problems: list[str] = []
+    print(f"checkpoint soak result: {steps:.0f} collective steps in {span}s; longest in-flight wait Prometheus saw "
+          f"{_s(longest)}; default_pg's learned stuck threshold {_s(lowest)} to {_s(highest)} over the soak "
+          f"({_s(at_checkpoint)} when the checkpoint began; ceiling --stuck-after {settings.stuck_after:g}s)")
+    origin = checkpoint[0] if checkpoint else started
+    print("  rank 0 busy windows (s after the watch began; the share of status polls in the window that saw rank 0 "
+          "busy, the first and last 3 s left out):")
+    for kind, start, end in windows:
+        inside = [state for t, state in rank0 if start + 3 <= t <= end - 3]
+        share = f"{100 * inside.count('busy') / len(inside):.0f}% of {len(inside)}" if inside else "-"
+        print(f"    {kind:<10} {start - started:7.1f} to {end - started:7.1f} ({end - start:.1f}s), busy {share}")
+    if checkpoint is None or checkpoint[1] > ended:
+        problems.append("the checkpoint did not finish within the soak (raise SECONDS)")
+    print(f"  verdicts seen at /api/v1/status: {len(seen)} (times from the checkpoint's start)")
+    for (kind, pg_desc, ranks, seq), one in sorted(seen.items(), key=lambda kv: kv[1].first):
+        print(f"    {kind} {pg_desc} culprits {ranks} seq {seq}: {one.first - origin:.1f}s to "
+              f"{one.last - origin:.1f}s, culprit activity {sorted(one.states)} in {sorted(one.functions)}")
+        if checkpoint is None or not checkpoint[0] <= one.first <= checkpoint[1] + 2 * settings.poll_interval:
+            problems.append(f"verdict outside the checkpoint: {kind} {pg_desc} {ranks}")
+        elif kind != "missing_rank" or ranks != "[0]" or "busy" not in one.states:
+            problems.append(f"the checkpoint's verdict is {kind} {ranks} {sorted(one.states)}, not missing_rank "
+                            "[0] busy")
+    if checkpoint is not None and not seen:
+        problems.append("no verdict for the checkpoint")
+    print("  frexporter_verdict series in Prometheus: "
+          + ", ".join(f"{e['metric']['kind']} rank {e['metric']['rank']} {e['metric'].get('culprit_state', '')}"
+                      for e in exported))
+    print(f"  alerts at the page receiver: {len(paged)}"
+          + "".join(f"\n    {t - origin:.1f}s {_short(labels)} {labels.get('severity')}" for t, labels in paged))
+    print(f"  alerts at the hold receiver: {sum(1 for h in held if h.status == 'firing')} firing"
+          + "".join(f"\n    {h.status} {h.received - origin:.1f}s {_short(h.labels)} culprit_state="
+                    f"{h.labels.get('culprit_state')} severity={h.labels.get('severity')}" for h in held))
+    print("  alerts in Prometheus (ALERTS, pending or firing at any evaluation): "
+          + (", ".join(sorted({f"{a['metric']['alertname']}/{a['metric']['alertstate']}"
+                               f"/{a['metric'].get('severity')}/{a['metric'].get('culprit_state', '-')}"
+                               for a in alerts})) or "none"))
+    critical = [a for a in alerts
+                if a["metric"].get("severity") == "critical" and a["metric"]["alertstate"] == "firing"]
+    # The budget rule's condition holds from 0.5 T - 30 s of wait; "for: 15s" fires it 15 to 30 s later.
+    budget_at = 0.5 * plan.timeout - settings.rules[BUDGET].threshold + settings.rules[BUDGET].hold
+    print(f"  critical alerts fired: {len(critical)}" + "".join(f" {_short(a['metric'])}" for a in critical)
+          + f"; FrexporterWatchdogBudget would fire no earlier than {budget_at:g}s into a wait (timeout "
+          f"{plan.timeout:g}s), the longest wait was {_s(longest)}: "
+          + ("a critical alert fired before it would" if critical else "no critical alert before it"))
+    if paged:
+        problems.append(f"{len(paged)} alert(s) paged")
+    if checkpoint is not None and not any(h.status == "firing" and h.labels.get("alertname") == DESYNC
+                                          and h.labels.get("rank") == "0" for h in held):
+        problems.append("no FrexporterCollectiveDesync rank=0 at the hold receiver for the checkpoint")
+    if dead:
+        problems.append(f"ranks {dead} exited during the soak")
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    return not problems
+
+
 # --- main --------------------------------------------------------------------------------------------------
 
 
@@ -461,13 +644,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steady", action="store_true",
                         help="issue 15's table: a steady job (idle, dead, deadlock), the default serve flags, the "
                              "shipped rules unscaled, 15 s scrape and evaluation")
+    parser.add_argument("--checkpoint-soak", type=float, nargs="?", const=CHECKPOINT_SOAK_S, default=None,
+                        metavar="SECONDS",
+                        help="issues 13 and 15: watch a healthy job with busy evaluations and one busy checkpoint "
+                             f"on rank 0 this long (default {CHECKPOINT_SOAK_S:g}) at the shipped settings (as "
+                             "--steady), Alertmanager routing busy culprits to a non-paging receiver")
+    parser.add_argument("--eval-every", type=int, default=CKPT_EVAL_EVERY,
+                        help=f"checkpoint soak: steps between rank 0's evaluations (default {CKPT_EVAL_EVERY})")
+    parser.add_argument("--eval-seconds", type=float, default=CKPT_EVAL_S,
+                        help=f"checkpoint soak: one evaluation's compute (default {CKPT_EVAL_S:g})")
+    parser.add_argument("--checkpoint-at", type=float, default=CKPT_AT_S,
+                        help=f"checkpoint soak: seconds after the job's first step (default {CKPT_AT_S:g})")
+    parser.add_argument("--checkpoint-seconds", type=float, default=CKPT_S,
+                        help=f"checkpoint soak: the checkpoint's compute (default {CKPT_S:g})")
     parser.add_argument("--soak-ranks", type=int, default=4)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, spools)")
     parser.add_argument("--pause-fraction", type=float, default=0.5,
                         help="rank 0's pauses in the soak, as a fraction of stuck_after (default 0.5)")
     args = parser.parse_args(argv)
     faults = FAULTS
-    if args.steady:
+    if args.steady or args.checkpoint_soak is not None:
         args.scale, args.interval, args.poll_interval = 1.0, 15.0, defaults.POLL_INTERVAL
         args.stuck_after, args.deep_interval = defaults.STUCK_AFTER, defaults.DEEP_INTERVAL
         faults = STEADY_FAULTS
@@ -477,11 +673,19 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(scale=args.scale, interval=args.interval, poll_interval=args.poll_interval,
                         stuck_after=threshold if args.stuck_after is None else args.stuck_after,
                         deep_interval=RanksConfig.deep_interval * args.scale if args.deep_interval is None
-                        else args.deep_interval, rules=rules)
+                        else args.deep_interval, rules=rules,
+                        snapshot_interval=SNAPSHOT_INTERVAL_S if args.checkpoint_soak is None
+                        else DEFAULT_SNAPSHOT_INTERVAL)
     print(settings.describe(), flush=True)
     root = Path(tempfile.mkdtemp(prefix="frexporter-detection-"))
     try:
-        with running_stack(root / "stack", scale=args.scale, interval=args.interval) as stack:
+        with running_stack(root / "stack", scale=args.scale, interval=args.interval,
+                           hold_busy=args.checkpoint_soak is not None) as stack:
+            if args.checkpoint_soak is not None:
+                plan = CheckpointPlan(args.checkpoint_soak, args.eval_every, args.eval_seconds, args.checkpoint_at,
+                                      args.checkpoint_seconds, CKPT_TIMEOUT_S)
+                return 0 if run_checkpoint_soak(stack, settings, plan, root / "checkpoint-soak",
+                                                args.soak_ranks) else 1
             if args.soak is not None:
                 return 0 if run_soak(stack, settings, args.soak, root / "soak", args.soak_ranks,
                                      args.pause_fraction) else 1

@@ -4,7 +4,9 @@ One stack per test session (Prometheus 2.42 waits about 5 s before its first scr
 per test would dominate the run time): Prometheus scrapes fixed loopback ports reserved for the
 session (``exporter_port``, and ``exporter_ports[1]`` for a second node), where each test starts its own
 exporter(s), and evaluates ``render_rules(SCALE)``; Alertmanager
-posts every notification to an in-process webhook receiver that records it.
+posts every notification to an in-process webhook receiver that records it. With ``hold_busy`` it routes as
+docs/detection.md recommends instead ("Routing busy culprits"): alerts whose culprit is busy computing go to
+a second receiver, ``stack.hold``, everything else to ``stack.webhook`` (the pager).
 
 Register with ``pytest_plugins = ["tests.promstack"]`` in tests/conftest.py and take the ``promstack``
 fixture. Missing binaries skip the tests, unless FREXPORTER_REQUIRE_TOOLS=1. Outside pytest (benchmarks),
@@ -46,6 +48,11 @@ SCRAPE_JOB = "frexporter"  # FrexporterExporterDown selects exporters by a job n
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 HTTP_TIMEOUT_S = 5.0
+# The child route of docs/detection.md ("Routing busy culprits"; tests/test_busy_routing.py checks that the
+# docs show these routes): a desync whose culprit computes (a checkpoint) is held, not paged.
+HOLD_RECEIVER = "hold"
+PAGE_RECEIVER = "page"
+HOLD_BUSY_ROUTES = [{"receiver": HOLD_RECEIVER, "matchers": ['culprit_state="busy"']}]
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,8 @@ class Notification:
 class WebhookReceiver:
     """Records every Alertmanager webhook POST, in arrival order."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str = "/hook") -> None:
+        self._path = path
         self._lock = threading.Lock()
         self._posts: list[tuple[float, dict[str, Any]]] = []
         receiver = self
@@ -88,7 +96,7 @@ class WebhookReceiver:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/hook"
+        return f"http://127.0.0.1:{self._server.server_address[1]}{self._path}"
 
     def start(self) -> None:
         self._thread.start()
@@ -151,7 +159,7 @@ class PromStack:
     """Handles of a running Prometheus + Alertmanager + webhook receiver."""
 
     def __init__(self, workdir: Path, prometheus: str, alertmanager: str, scale: float = SCALE,
-                 interval: float = INTERVAL_S, exporters: int = 1) -> None:
+                 interval: float = INTERVAL_S, exporters: int = 1, hold_busy: bool = False) -> None:
         """``exporters``: loopback ports Prometheus scrapes, for as many exporters of one job (nodes)."""
         self.workdir = workdir
         self.scale = scale
@@ -160,7 +168,8 @@ class PromStack:
         self.exporter_port = self.exporter_ports[0]
         self.prom_url = f"http://127.0.0.1:{free_port()}"
         self.am_url = f"http://127.0.0.1:{free_port()}"
-        self.webhook = WebhookReceiver()
+        self.webhook = WebhookReceiver()  # every notification, or with hold_busy those that page
+        self.hold = WebhookReceiver("/hold") if hold_busy else None
         self._bins = (prometheus, alertmanager)
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
@@ -169,16 +178,22 @@ class PromStack:
     def start(self) -> PromStack:
         prometheus, alertmanager = self._bins
         self.webhook.start()
+        if self.hold is not None:
+            self.hold.start()
         rules = self.workdir / "frexporter.rules.yml"
         rules.write_text(render_rules(self.scale), encoding="utf-8")
         am_config = self.workdir / "alertmanager.yml"
-        am_config.write_text(yaml.safe_dump({
-            # "..." groups by every label: one notification per alert, nothing held back for a sibling.
-            "route": {"receiver": "webhook", "group_by": ["..."], "group_wait": "1s", "group_interval": "1s",
-                      "repeat_interval": "1h"},
-            "receivers": [{"name": "webhook",
-                           "webhook_configs": [{"url": self.webhook.url, "send_resolved": True}]}],
-        }), encoding="utf-8")
+        # "..." groups by every label: one notification per alert, nothing held back for a sibling.
+        route: dict[str, Any] = {"receiver": "webhook", "group_by": ["..."], "group_wait": "1s",
+                                 "group_interval": "1s", "repeat_interval": "1h"}
+        receivers = [{"name": "webhook", "webhook_configs": [{"url": self.webhook.url, "send_resolved": True}]}]
+        if self.hold is not None:
+            route |= {"receiver": PAGE_RECEIVER, "routes": HOLD_BUSY_ROUTES}
+            receivers = [
+                {"name": PAGE_RECEIVER, "webhook_configs": [{"url": self.webhook.url, "send_resolved": True}]},
+                {"name": HOLD_RECEIVER, "webhook_configs": [{"url": self.hold.url, "send_resolved": True}]},
+            ]
+        am_config.write_text(yaml.safe_dump({"route": route, "receivers": receivers}), encoding="utf-8")
         prom_config = self.workdir / "prometheus.yml"
         prom_config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": f"{self.interval:g}s", "evaluation_interval": f"{self.interval:g}s",
@@ -232,6 +247,8 @@ class PromStack:
                 proc.kill()
                 proc.wait()
         self.webhook.stop()
+        if self.hold is not None:
+            self.hold.stop()
 
     # ---------------------------------------------------------------- queries
 
@@ -288,11 +305,12 @@ def binaries() -> tuple[str, str]:
 
 @contextmanager
 def running_stack(workdir: Path, scale: float = SCALE, interval: float = INTERVAL_S,
-                  exporters: int = 1) -> Iterator[PromStack]:
+                  exporters: int = 1, hold_busy: bool = False) -> Iterator[PromStack]:
     """A started stack for the ``with`` block, stopped after it (also when it fails to start)."""
     prometheus, alertmanager = binaries()
     workdir.mkdir(parents=True, exist_ok=True)
-    stack = PromStack(workdir, prometheus, alertmanager, scale=scale, interval=interval, exporters=exporters)
+    stack = PromStack(workdir, prometheus, alertmanager, scale=scale, interval=interval, exporters=exporters,
+                      hold_busy=hold_busy)
     try:
         stack.start()
         yield stack

@@ -276,6 +276,71 @@ elif scenario == "steady":
         if first:
             ready()
             first = False
+elif scenario == "checkpoint_soak":
+    # A healthy job with the long, legitimate waits of real training, for the false-positive soak at the
+    # shipped settings. Steps as in "soak": a random sleep (up to JOB_JITTER_SECONDS), a send/recv pipeline,
+    # an all_reduce on WORLD. Rank 0 computes in Python (a whole core: the exporter sees it busy, where a
+    # sleep would read idle) for JOB_EVAL_SECONDS every JOB_EVAL_EVERY steps, alternately before the
+    # pipeline (the others wait in a p2p recv) and before the all_reduce (they wait in it); and once, at the
+    # first step JOB_CHECKPOINT_AFTER seconds after its first, for JOB_CHECKPOINT_SECONDS before the
+    # all_reduce. Rank 0 logs each as "KIND START END" (unix seconds) in rank0.busy.log.
+    import random
+    import threading
+
+    threading.Thread(target=lambda: (idle(), os._exit(0)), daemon=True).start()
+    rng = random.Random(rank)
+    jitter = float(os.environ.get("JOB_JITTER_SECONDS", "0.3"))
+    eval_every = int(os.environ.get("JOB_EVAL_EVERY", "200"))
+    eval_seconds = float(os.environ.get("JOB_EVAL_SECONDS", "20"))
+    checkpoint_after = float(os.environ.get("JOB_CHECKPOINT_AFTER", "200"))
+    checkpoint_seconds = float(os.environ.get("JOB_CHECKPOINT_SECONDS", "180"))
+
+    def log_busy(kind: str, start: float) -> None:
+        with open(os.path.join(control, f"rank{rank}.busy.log"), "a") as f:
+            f.write(f"{kind} {start:.3f} {time.time():.3f}\n")
+
+    # The loops are inline so that the sampled stack's innermost frame, the culprit's headline function
+    # (culprit_function), is evaluate or save_checkpoint.
+    def evaluate() -> None:
+        start, x = time.time(), 0
+        deadline = time.monotonic() + eval_seconds
+        while time.monotonic() < deadline:
+            for i in range(10_000):
+                x += i * i
+        log_busy("eval", start)
+
+    def save_checkpoint() -> None:
+        start, x = time.time(), 0
+        deadline = time.monotonic() + checkpoint_seconds
+        while time.monotonic() < deadline:
+            for i in range(10_000):
+                x += i * i
+        log_busy("checkpoint", start)
+
+    started = time.monotonic()
+    checkpointed = False
+    step = 0
+    while True:
+        time.sleep(rng.uniform(0.0, jitter))
+        checkpoint = rank == 0 and not checkpointed and time.monotonic() - started >= checkpoint_after
+        evaluating = rank == 0 and not checkpoint and step % eval_every == eval_every - 1
+        before_pipeline = (step // eval_every) % 2 == 0
+        if evaluating and before_pipeline:
+            evaluate()
+        if rank > 0:
+            dist.recv(t, src=rank - 1)
+        if rank < world - 1:
+            dist.send(t, dst=rank + 1)
+        if evaluating and not before_pipeline:
+            evaluate()
+        if checkpoint:
+            save_checkpoint()
+            checkpointed = True
+        t.fill_(1.0)
+        dist.all_reduce(t)
+        step += 1
+        if step == 1:
+            ready()
 else:
     raise SystemExit(f"unknown scenario {scenario}")
 
