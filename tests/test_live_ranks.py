@@ -108,7 +108,9 @@ def test_rank_holding_the_gil_is_still_exported(job_factory, exporter_factory) -
     job = job_factory("gil", 2, env={"JOB_GIL_SECONDS": "8"})
     job.wait_ready()
     exp = exporter_factory(job.spool)
-    wait_for(lambda: exp.rank(0) and exp.rank(0).status == RANK_OK and exp.rank(0).pgs, timeout=20)
+    # Parked after its collectives, the rank samples its own stack (it makes no progress): wedge it after that.
+    wait_for(lambda: exp.rank(0) and exp.rank(0).status == RANK_OK and exp.rank(0).pgs
+             and exp.rank(0).activity.frames, timeout=20, what="rank 0 healthy, with its own stack sampled")
     job.touch("wedge")
     job.wait_ready("wedged", ranks=[0], timeout=20)
     state = wait_for(lambda: exp.rank(0) if exp.rank(0).status == RANK_UNRESPONSIVE else None, timeout=6,

@@ -158,7 +158,9 @@ def test_garbage_from_a_real_worker_server_is_counted_and_the_last_own_sample_ke
     bin_dir = wrapper_dir(tmp_path, "printf 'Process \\377\\376 garbage\\n\\000\\033[31m'\n")
     job = gil_job(job_factory, bin_dir, seconds=6)
     exp = serve(job.spool, "--evidence-stacks")
-    wait_for(lambda: (r := exp.rank(0)) and r["status"] == "ok", timeout=30, what="rank 0 seen healthy")
+    # Parked after its collectives, the rank samples its own stack (it makes no progress): wedge it after that.
+    wait_for(lambda: (r := exp.rank(0)) and r["status"] == "ok" and r["activity"]["frames"], timeout=30,
+             what="rank 0 seen healthy, with its own stack sampled")
     job.touch("wedge")
     job.wait_ready("wedged", ranks=[0], timeout=20)
     wait_for(lambda: exp.errors().get(pyspy.REASON_INVALID), timeout=10, what="the garbage counted")

@@ -254,7 +254,8 @@ class Publisher:
         # The stack is sampled only when torch's status is what it was at the previous snapshot: no collective
         # was enqueued or completed since, so this rank may be one the others wait for (computing, waiting, or
         # blocked in a collective itself). A rank that progresses is nobody's culprit, and training pays
-        # nothing for its stack: one comparison of bytes.
+        # nothing for its stack: one comparison of bytes. The first snapshot of a binding samples (the one before
+        # it, written whole, did too): a rank parked since then keeps a stack in every snapshot.
         last: list[Any] = [None]
 
         def snapshot() -> bool:
@@ -265,11 +266,11 @@ class Publisher:
                 raw = dump(False)  # includeCollectives=False: pg_status and pg_config only
                 if raw[:1] != b"{" or raw[-1:] != b"}":
                     raw = checked(raw)
-                payload = fmt % (n, time_ns(), cpu_ns(), stack() if raw == last[0] else b"", raw)
+                payload = fmt % (n, time_ns(), cpu_ns(), stack() if raw == last[0] or last[0] is None else b"", raw)
                 last[0] = raw
             else:
                 raws = read()
-                payload = fmt % (n, time_ns(), cpu_ns(), stack() if raws == last[0] else b"", *raws)
+                payload = fmt % (n, time_ns(), cpu_ns(), stack() if raws == last[0] or last[0] is None else b"", *raws)
                 last[0] = raws
             with lock:
                 if not update(payload):  # also after stop(): it closes the map under this lock
