@@ -112,7 +112,7 @@ ACTIVITY_BUSY = "busy"  # computing outside collectives
 ACTIVITY_IDLE = "idle"  # sleeping, or blocked in I/O, a queue or a lock
 ACTIVITY_WEDGED = "wedged"  # heartbeat stale, worker socket alive: its Python cannot sample itself
 ACTIVITY_GONE = "gone"  # heartbeat stale, socket dead
-ACTIVITY_UNKNOWN = "unknown"  # no stack (an older recorder, a dropped one) or not enough samples yet
+ACTIVITY_UNKNOWN = "unknown"  # no stack (the rank is progressing, sampling off, an older recorder) or one CPU sample
 ACTIVITY_STATES = (ACTIVITY_IN_COLLECTIVE, ACTIVITY_BUSY, ACTIVITY_IDLE, ACTIVITY_WEDGED, ACTIVITY_GONE,
                    ACTIVITY_UNKNOWN)
 # A rank seen busy this recently still counts as busy when judging patience (the node verdict, analyze and

@@ -1299,7 +1299,8 @@ def _rank_dashboard() -> _Board:
         "Activity",
         "What the rank is doing now: in_collective (waiting in a torch.distributed call), busy (computing outside "
         "collectives), idle (sleeping, blocked in I/O, a queue or a lock), wedged (its Python stopped answering), "
-        "gone (its process is dead), unknown (no stack sampled yet). A culprit that is busy gets its peers' "
+        "gone (its process is dead), unknown (no stack: the rank keeps completing collectives, or sampling is "
+        "off). A culprit that is busy gets its peers' "
         "patience up to the ceiling (--stuck-after) before FrexporterCollectiveDesync fires, as info.",
         [Target(_activity_code(*RANK), instant=True)],
         width=3,

@@ -54,6 +54,19 @@ def hold_gil(seconds: float) -> None:
     libc.usleep(int(seconds * 1e6))
 
 
+def pass_down_pipeline() -> None:
+    """One pipeline stage's p2p: receive from the rank before, send to the rank after (the soaks' p2p traffic)."""
+    if rank > 0:
+        dist.recv(t, src=rank - 1)
+    if rank < world - 1:
+        dist.send(t, dst=rank + 1)
+
+
+def reduce_world() -> None:
+    t.fill_(1.0)  # keep the sums finite over hours of steps
+    dist.all_reduce(t)
+
+
 if scenario == "counts":
     # world: 5 collectives; pair (0,1): 3; local-sync subgroup over the odd/even ranks: 2
     # The local-sync group first: torch names it from len(pg_names), which must agree across its ranks.
@@ -235,14 +248,10 @@ elif scenario == "soak":
         before_pipeline = (step // pause_every) % 2 == 0
         if paused and before_pipeline:
             time.sleep(pause)
-        if rank > 0:
-            dist.recv(t, src=rank - 1)
-        if rank < world - 1:
-            dist.send(t, dst=rank + 1)
+        pass_down_pipeline()
         if paused and not before_pipeline:
             time.sleep(pause)
-        t.fill_(1.0)  # keep the sums finite over hours of steps
-        dist.all_reduce(t)
+        reduce_world()
         step += 1
         if step == 1:
             ready()
@@ -327,17 +336,13 @@ elif scenario == "checkpoint_soak":
         before_pipeline = (step // eval_every) % 2 == 0
         if evaluating and before_pipeline:
             evaluate()
-        if rank > 0:
-            dist.recv(t, src=rank - 1)
-        if rank < world - 1:
-            dist.send(t, dst=rank + 1)
+        pass_down_pipeline()
         if evaluating and not before_pipeline:
             evaluate()
         if checkpoint:
             save_checkpoint()
             checkpointed = True
-        t.fill_(1.0)
-        dist.all_reduce(t)
+        reduce_world()
         step += 1
         if step == 1:
             ready()
