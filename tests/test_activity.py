@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,23 @@ def test_stacks_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     monkeypatch.delenv("FREXPORTER_STACKS")
     # The recorder samples the main thread, which is the one running this test.
     assert b'"test_stacks_can_be_turned_off"' in Publisher(str(tmp_path), "j", 1.0)._sample_stack()
+
+
+def test_recorder_stack_sample_lines_follow_the_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames are kept encoded per code object and instruction offset: one frame sampled at two lines, and again
+    at the first, reports each line; a cache that overflows starts over and still reports them right."""
+    import threading
+
+    from frexporter.recorder import publisher
+
+    def lines_of(sample: Callable[[], bytes]) -> list[int]:
+        first = sample()  # three call sites of one code object, the last one sampled twice
+        second = sample()
+        again = [sample() for _ in range(2)]
+        return [json.loads(f"[{raw.decode()}]")[1][2] for raw in (first, second, *again)]
+
+    here = lines_of.__code__.co_firstlineno
+    expected = [here + 1, here + 2, here + 3, here + 3]
+    assert lines_of(publisher.stack_sampler(threading.get_ident(), lambda reason, e: None)) == expected
+    monkeypatch.setattr(publisher, "STACK_CACHE_MAX", 2)
+    assert lines_of(publisher.stack_sampler(threading.get_ident(), lambda reason, e: None)) == expected

@@ -42,9 +42,9 @@ LAUNCHER_ENV: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
                ("run_id", "SLURM_JOB_ID"))),
 )
 _LAUNCHER_TEXT_FIELDS = ("run_id",)
-# Code objects whose encoded frame text the stack sampler keeps; past this it starts over (a training loop
-# runs a few hundred distinct functions, a long-lived job may compile many more).
-STACK_CACHE_MAX = 4096
+# Encoded frames (per code object and instruction offset) the stack sampler keeps; past this it starts over (a
+# stalled rank's stacks touch a few hundred, a long-lived job may compile many more functions).
+STACK_CACHE_MAX = 16384
 
 
 class Publisher:
@@ -426,13 +426,18 @@ def stack_sampler(thread_id: int | None, count_error: Callable[[str, BaseExcepti
     snapshot's ``stack`` list: ``["function","file",line]`` per frame, innermost first, at most
     ``spool.MAX_STACK_FRAMES``. Names and lines only: never a local or an argument.
 
-    It runs in the snapshot under the GIL: each code object's text is JSON-encoded once and kept (by id, with
-    the code object held so that its id is not reused), a frame then costs a lookup and one integer format.
-    A failure is counted once and turns sampling off (an empty stack) rather than costing every snapshot.
+    It runs in the snapshot under the GIL, from cold caches, on every frame of a stalled rank's stack (up to
+    32 of them), so a frame must cost next to nothing: each frame's encoded item is kept per code object and
+    instruction offset (``f_lasti``), which fixes its line. A frame then costs two dictionary lookups; the
+    line table is decoded (``f_lineno``) only for an offset not seen before. The code objects are held so
+    that their ids are not reused. A failure is counted once and turns sampling off (an empty stack) rather
+    than costing every snapshot.
     """
     frames = sys._current_frames
     limit, chars = spool.MAX_STACK_FRAMES, spool.MAX_FRAME_TEXT_CHARS
-    cache: dict[int, tuple[Any, bytes]] = {}
+    # id(code) -> (code, its encoded item as a format awaiting the line, {offset: encoded item})
+    cache: dict[int, tuple[Any, bytes, dict[int, bytes]]] = {}
+    size = 0  # items kept in all the offset maps
     broken = False
 
     def utf8(text: str) -> str:  # a file name that was not UTF-8 holds lone surrogates: the exporter refuses those
@@ -444,20 +449,29 @@ def stack_sampler(thread_id: int | None, count_error: Callable[[str, BaseExcepti
         return json.dumps([name, path]).encode()[:-1].replace(b"%", b"%%") + b",%d]"
 
     def sample() -> bytes:
-        nonlocal broken
+        nonlocal broken, size
         if broken:
             return b""
         try:
             frame = frames().get(thread_id)  # type: ignore[arg-type]
-            out = []
-            while frame is not None and len(out) < limit:
+            out: list[bytes] = []
+            add = out.append
+            while frame is not None:
                 code = frame.f_code
                 hit = cache.get(id(code))
                 if hit is None or hit[0] is not code:
-                    if len(cache) >= STACK_CACHE_MAX:
+                    if size >= STACK_CACHE_MAX:
                         cache.clear()
-                    hit = cache[id(code)] = (code, encode(code))
-                out.append(hit[1] % (frame.f_lineno or 0))
+                        size = 0
+                    hit = cache[id(code)] = (code, encode(code), {})
+                lasti = frame.f_lasti
+                item = hit[2].get(lasti)
+                if item is None:
+                    item = hit[2][lasti] = hit[1] % (frame.f_lineno or 0)
+                    size += 1
+                add(item)
+                if len(out) >= limit:
+                    break
                 frame = frame.f_back
             return b",".join(out)
         except Exception as e:
