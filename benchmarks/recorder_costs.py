@@ -95,12 +95,17 @@ noop_thread.start()
 gaps = []
 pc = time.perf_counter
 end = pc() + float(sys.argv[4])
-last = pc()
-while last < end:
-    now = pc()
-    if now - last > 2e-6:
-        gaps.append((last, now))
-    last = now
+def probe_gil(depth):
+    # Spin at the bottom of a stack this deep: the recorder samples every frame of it (up to its bound).
+    if depth > 0:
+        return probe_gil(depth - 1)
+    add, last = gaps.append, pc()
+    while last < end:
+        now = pc()
+        if now - last > 2e-6:
+            add((last, now))
+        last = now
+probe_gil(int(sys.argv[7]))
 pub.tick, pub.interval = timed_tick, interval
 noop_stop.release()
 noop_thread.join()
@@ -176,6 +181,9 @@ def main() -> None:
                         help="seconds between deep reads during the loop (many, for a stable mean)")
     parser.add_argument("--gil-seconds", type=float, default=10.0,
                         help="length of the GIL probe (snapshots every 0.1 s meanwhile)")
+    parser.add_argument("--stack-depth", type=int, default=32,
+                        help="frames under the GIL probe's spinning loop: the recorder samples the stack of a "
+                             "rank that completes no collective, and a full stack (32 frames at most) is the worst")
     parser.add_argument("--cpu-reads", type=int, default=20, help="deep reads for the rank-side CPU figure")
     parser.add_argument("--tick-seconds", type=float, default=60.0,
                         help="length of the training loop timed around snapshots (taken every --tick-interval)")
@@ -207,7 +215,8 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     env = {**os.environ, "FREXPORTER_DIR": str(spool_dir), "FREXPORTER_SNAPSHOT_INTERVAL": str(args.interval),
            "FREXPORTER_JOB_ID": "costs", "PYTHONPATH": str(Path(__file__).parent.parent), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", RANK, str(free_port()), str(args.seconds), str(out),
-                             str(args.gil_seconds), str(args.tick_seconds), str(args.tick_interval)], env=env,
+                             str(args.gil_seconds), str(args.tick_seconds), str(args.tick_interval),
+                             str(args.stack_depth)], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     try:
@@ -368,6 +377,7 @@ def analyse(result: dict, ticked: array, loop: array, reads: list[tuple[int, int
         "snapshots_timed": len(result["tick_cpu"]),
         "snapshot_lost": snapshot,
         "deep_read_lost": deep,
+        "gil_probe_stack_depth": args.stack_depth,
         "deep_read_rank_cpu_ms": deep_cpu,
         "deep_read_client_ms": statistics.median(client) * 1e3,
         "deep_read_duration_ms": statistics.median((b - a) / 1e6 for a, b in reads),
@@ -386,7 +396,8 @@ def print_report(r: dict, args: argparse.Namespace) -> None:
     snap, deep = r["snapshot_lost"], r["deep_read_lost"]
     print(f"training loop: {r['steps']} all_reduces, median {r['all_reduce_median_us']:.1f} us")
     print(f"1. GIL held per snapshot (inside the tick): {r['snapshot_gil_held_us']:.1f} us (budget < 200 us), median "
-          f"over {r['snapshot_gil_probed']} snapshots, p90 {r['snapshot_gil_held_p90_us']:.1f} us;")
+          f"over {r['snapshot_gil_probed']} snapshots, p90 {r['snapshot_gil_held_p90_us']:.1f} us (the busy thread "
+          f"{r['gil_probe_stack_depth']} frames deep);")
     print(f"   taken from a Python-busy thread, hand-offs included: {r['snapshot_gil_us']:.1f} us (median "
           f"{r['snapshot_gil_raw_us']:.1f} us of gaps in the window padded by 0.5 ms, less "
           f"{r['snapshot_gil_control_us']:.1f} us in the same length without one);")
