@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from frexporter import spool
@@ -50,6 +51,26 @@ def available_recorders() -> tuple[str, ...]:
     if hasattr(ext, "_dump_nccl_trace_json"):
         found.append(spool.RECORDER_NCCL)
     return tuple(found)
+
+
+# The recorder that keeps a backend's entries: NCCL has its own on CUDA builds; gloo's go to the generic one.
+_BACKEND_RECORDERS = {"nccl": spool.RECORDER_NCCL, "gloo": spool.RECORDER_FR}
+
+
+def recorders_in_use(available: tuple[str, ...], backends: Iterable[str]) -> tuple[str, ...]:
+    """The available recorders that this rank's process groups (their backend configs, ``cuda:nccl``,
+    ``cpu:gloo,cuda:nccl``) can write to: each one read costs the snapshot a status call under the GIL, and an
+    NCCL-only job on a CUDA build would pay for an empty gloo recorder too. A backend not named here (ucc, mpi,
+    a custom one, or none given) keeps every available recorder, and so does a choice that would leave none
+    (a torch that records NCCL in the generic recorder)."""
+    needed = set()
+    for config in backends:
+        for part in config.split(","):
+            recorder = _BACKEND_RECORDERS.get(part.rsplit(":", 1)[-1].strip().lower())
+            if recorder is None:
+                return available
+            needed.add(recorder)
+    return tuple(r for r in available if r in needed) or available
 
 
 class StatusReader:

@@ -362,6 +362,11 @@ class Publisher:
         assert self._manifest is not None
         self._generation += 1
         groups = fr.pg_table()
+        recorders = fr.recorders_in_use(fr.available_recorders(), (g["backend"] for g in groups))
+        if self._status is None or recorders != self._status.recorders:
+            self._status = fr.StatusReader(recorders)
+            self._format = self._snapshot = None  # the snapshot has a slot per recorder
+        self._manifest["recorders"] = list(recorders)
         self._manifest["process_groups"] = groups
         self._manifest["backends"] = sorted({g["backend"] for g in groups if g["backend"]})
         self._manifest["generation"] = self._generation
