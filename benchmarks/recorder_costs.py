@@ -45,6 +45,7 @@ from bisect import bisect_left
 from pathlib import Path
 
 from benchmarks._recorder_common import free_port, t_quantile_975
+from frexporter.spool import MAX_STACK_FRAMES
 
 RANK = r"""
 import json, os, sys, threading, time
@@ -181,9 +182,10 @@ def main() -> None:
                         help="seconds between deep reads during the loop (many, for a stable mean)")
     parser.add_argument("--gil-seconds", type=float, default=10.0,
                         help="length of the GIL probe (snapshots every 0.1 s meanwhile)")
-    parser.add_argument("--stack-depth", type=int, default=32,
+    parser.add_argument("--stack-depth", type=int, default=MAX_STACK_FRAMES,
                         help="frames under the GIL probe's spinning loop: the recorder samples the stack of a "
-                             "rank that completes no collective, and a full stack (32 frames at most) is the worst")
+                             f"rank that completes no collective, and a full stack ({MAX_STACK_FRAMES} frames at "
+                             "most) is the worst")
     parser.add_argument("--cpu-reads", type=int, default=20, help="deep reads for the rank-side CPU figure")
     parser.add_argument("--tick-seconds", type=float, default=60.0,
                         help="length of the training loop timed around snapshots (taken every --tick-interval)")

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks._recorder_common import free_port
+from frexporter.spool import MAX_STACK_FRAMES
 
 RANK = r"""
 import json, os, statistics, struct, sys, threading, time, zlib
@@ -98,8 +99,8 @@ dist.destroy_process_group()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=40.0, help="how long the training thread spins")
-    parser.add_argument("--stack-depth", type=int, default=32,
-                        help="frames under the spinning loop (the sampler keeps at most 32)")
+    parser.add_argument("--stack-depth", type=int, default=MAX_STACK_FRAMES,
+                        help=f"frames under the spinning loop (the sampler keeps at most {MAX_STACK_FRAMES})")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="frexporter-parts-") as tmp:
