@@ -25,8 +25,13 @@ from frexporter.recorder import fr
 log = logging.getLogger("frexporter.recorder")
 
 # Snapshots between checks that this rank's files are still there: updates of the mapped snapshot go on
-# into a removed file without an error, and another rank may have recreated the directory meanwhile.
-SPOOL_CHECK_EVERY = 5
+# into a removed file without an error, and another rank may have recreated the directory meanwhile. The check
+# is two stat calls, and each hands the GIL to the training thread and back: a snapshot that checks holds the
+# GIL longer than the rest put together (benchmarks/recorder_costs), so few do (30 s apart at the default
+# interval, a removed spool is back within that).
+SPOOL_CHECK_EVERY = 30
+# Snapshots between checks that torch has not replaced its process-group table (one attribute lookup).
+PG_TABLE_CHECK_EVERY = 5
 # Seconds between checks for the default process group while this rank is not identified yet, so that its
 # full manifest is out within this long of init_process_group (a rank that dies at step 0 is still seen).
 # Each check is a module lookup and is_initialized(), under a microsecond (benchmarks/startup_death.py);
@@ -276,11 +281,10 @@ class Publisher:
                 if not update(payload):  # also after stop(): it closes the map under this lock
                     return False
                 self._counter = n
-            # Every few snapshots only: a syscall hands the GIL to the training thread and back.
+            if n % PG_TABLE_CHECK_EVERY == 0 and world.pg_names is not names:
+                self._snapshot = None  # torch 2.13 clears its table; a version may replace it
             if n % SPOOL_CHECK_EVERY == 0:
                 self._check_spool()
-                if world.pg_names is not names:  # torch 2.13 clears its table; a version may replace it
-                    self._snapshot = None
             return True
 
         return snapshot
