@@ -469,13 +469,14 @@ def stack_sampler(thread_id: int | None, count_error: Callable[[str, BaseExcepti
                 code = frame.f_code
                 hit = cache.get(id(code))
                 if hit is None or hit[0] is not code:
-                    if size >= STACK_CACHE_MAX:
-                        cache.clear()
-                        size = 0
                     hit = cache[id(code)] = (code, encode(code), {})
                 lasti = frame.f_lasti
                 item = hit[2].get(lasti)
                 if item is None:
+                    if size >= STACK_CACHE_MAX:  # every code kept has an item: this bounds both
+                        cache.clear()
+                        size = 0
+                        hit = cache[id(code)] = (code, hit[1], {})
                     item = hit[2][lasti] = hit[1] % (frame.f_lineno or 0)
                     size += 1
                 add(item)
