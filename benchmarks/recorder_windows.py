@@ -8,8 +8,9 @@ job to one CPU:
 - ``... --world 1 --cpus 1 --interval 0.01 --window 0.25 --deep-every 0 --groups 120 --runs 4``: snapshots
   alone, ~20 times faster than the default, so that their cost is big enough to resolve; the result is
   divided back down to one a second.
-- ``... --world 1 --cpus 1 --interval 100000 --deep-every 1 --window 1 --groups 50 --runs 2``: deep reads
-  alone (no snapshot in the run), 15 times the default rate, scaled back to one per 15 s.
+- ``... --world 1 --cpus 1 --interval 100000 --deep-every 1 --deep-share 0 --window 1 --groups 50 --runs 2``:
+  deep reads alone (no snapshot in the run), 15 times the default rate, scaled back to one per 15 s (on a node
+  where reads are slow the exporter reads less often than that: the scaled figure is then an upper bound).
 
 Separate process pairs (``benchmarks.recorder_overhead``) compare two jobs, and on a shared VM the
 run-to-run spread of a job (several percent: process placement, the VM's own speed) hides a 0.5 %
@@ -21,7 +22,8 @@ that a linear drift cancels within each group:
   GIL, as if there were no recorder. Flight Recorder itself records in both arms.
 - B (FR + recorder): the thread snapshots on its normal schedule (one per ``--interval``), and this
   process reads every rank's FR buffer over its worker-server socket at the exporter's deep-read
-  cadence (``--deep-every`` seconds of B time, the exporter's ``deep_interval`` default), as
+  cadence (``--deep-every`` seconds of B time, the exporter's ``deep_interval`` default, or further apart
+  where reads are slow, by the exporter's own rule: ``routine_deep_interval``), as
   ``frexporter serve`` does on a busy job; that read takes Flight Recorder's lock inside the rank.
 
 Ranks switch at the same step index (gloo couples them); rank 0 times each window and tells this
@@ -55,7 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._recorder_common import free_port, t_quantile_975
-from frexporter.sources.ranks import DEFAULT_DEEP_INTERVAL
+from frexporter.defaults import DEEP_READ_SHARE as DEFAULT_DEEP_READ_SHARE
+from frexporter.sources.ranks import DEFAULT_DEEP_INTERVAL, RanksConfig, routine_deep_interval
 from frexporter.spool import DEFAULT_SNAPSHOT_INTERVAL
 
 RANK = r"""
@@ -155,6 +158,9 @@ def main() -> None:
                         help="recorder snapshot interval (longer than the run: no snapshots, only deep reads)")
     parser.add_argument("--deep-every", type=float, default=DEFAULT_DEEP_INTERVAL,
                         help="seconds of B time between deep reads of every rank (0: none)")
+    parser.add_argument("--deep-share", type=float, default=DEFAULT_DEEP_READ_SHARE,
+                        help="space the reads further apart where they are slow, as the exporter does: at most "
+                             "this share of B time (0: exactly --deep-every apart, for the amplified runs)")
     parser.add_argument("--noop", action="store_true",
                         help="B's thread wakes on the same schedule but takes no snapshot: what waking alone costs")
     parser.add_argument("--runs", type=int, default=1,
@@ -200,6 +206,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # No arm until rank 0 names the first window: start-up and calibration are neither A nor B time, and
     # deep reads in them would inflate the rate that amplified runs are scaled by.
     arm, b_time, b_since, deep_reads, result = "", 0.0, time.monotonic(), [], None
+    next_deep = args.deep_every  # B time of the next deep read
     total = 4 * args.groups
     seen = 0
     try:
@@ -208,8 +215,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             now = time.monotonic()
             if arm == "B":
                 b_time, b_since = b_time + (now - b_since), now
-                if args.deep_every > 0 and b_time >= args.deep_every * (len(deep_reads) + 1):
+                if args.deep_every > 0 and b_time >= next_deep:
                     deep_reads.append(deep_read_all(spool, 5.0))
+                    next_deep += routine_deep_interval(deep_reads[-1], RanksConfig(
+                        "", deep_interval=args.deep_every, deep_read_share=args.deep_share))
             if not ready:
                 if leader.poll() is not None:
                     raise SystemExit(f"rank 0 exited with {leader.returncode} before finishing")

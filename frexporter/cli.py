@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="least time between routine reads of a busy rank's Flight Recorder ring over its "
                             "socket, which feed collective bytes, durations and straggler scores; work that "
                             "stops moving is read at once whatever this says. Each read of a full ring costs "
-                            f"the rank ~20 ms of CPU in torch's worker server (default {DEFAULT_DEEP_INTERVAL:g})")
+                            "the rank ~20 ms of CPU in torch's worker server; where reads take longer (a slow "
+                            "node, a larger ring) they are spaced so as to take at most "
+                            f"{defaults.DEEP_READ_SHARE * 100:g} %% of the rank's time. 0: whenever values move "
+                            f"(default {DEFAULT_DEEP_INTERVAL:g})")
     for info in SOURCES:
         serve.add_argument(f"--source.{info.name}", dest=f"source_{info.name}", action=argparse.BooleanOptionalAction,
                            default=info.enabled_by_default,

@@ -11,8 +11,11 @@ POLL_INTERVAL = 1.0  # seconds between reads of the ranks, independent of scrape
 STUCK_AFTER = 60.0  # seconds a collective may wait on missing ranks before it is a verdict
 RANK_TIMEOUT = 2.0  # the longest one rank's socket may hold a poll
 # A deep read of a full 2000-entry gloo ring costs its rank ~20 ms of CPU in torch's C++ worker server
-# (docs/recorder-cost.md): reads that only refresh values are spaced this far apart.
+# (docs/recorder-cost.md): reads that only refresh values are spaced this far apart,
 DEEP_INTERVAL = 15.0
+# or further where a read takes longer (a slower node, a larger ring: TORCH_FR_BUFFER_SIZE=20000 is ten times
+# the work), so that routine reads take at most this share of a rank's time. Reads for a stall are never spaced.
+DEEP_READ_SHARE = 0.002
 DEPARTED_GRACE = 300.0  # seconds a dead rank stays exported
 NVML_INTERVAL = 5.0  # GPU state changes slowly, and NVML calls are not free
 OTLP_INTERVAL = 15.0

@@ -241,8 +241,9 @@ class Node:
         self.workers: list[FakeWorker] = []
         for r in range(ranks):
             self.start_rank(r)
-        self.source = RanksSource(RanksConfig(str(directory), poll_interval=1.0, rank_timeout=2.0, deep_interval=0.0,
-                                              **config), clock=lambda: self.now)
+        self.source = RanksSource(RanksConfig(str(directory), **{"poll_interval": 1.0, "rank_timeout": 2.0,
+                                                                 "deep_interval": 0.0, **config}),
+                                  clock=lambda: self.now)
         self.exporter = Exporter([(self.source, 1.0)], clock=lambda: self.now, hostname="node-a",
                                  analyzer=make_analyzer())
 

@@ -72,6 +72,7 @@ class RanksConfig:
     poll_interval: float = defaults.POLL_INTERVAL
     rank_timeout: float = defaults.RANK_TIMEOUT  # longest any one rank may hold a poll
     deep_interval: float = DEFAULT_DEEP_INTERVAL  # least time between deep reads that only refresh settled values
+    deep_read_share: float = defaults.DEEP_READ_SHARE  # ... and longer where reads are slow (routine_deep_interval)
     departed_grace: float = defaults.DEPARTED_GRACE  # keep exporting a dead or exited rank this long
     max_workers: int = 8
     per_rank_durations: bool = False  # collective durations and bytes per rank instead of per node
@@ -138,6 +139,17 @@ class _Throttle:
                               "frexporter_source_errors_total counts every one", window[2], key, now - window[0])
 
 
+
+def routine_deep_interval(read_seconds: float | None, config: RanksConfig) -> float:
+    """Seconds between routine deep reads (those that only refresh moving values) of a rank whose last read
+    took ``read_seconds``: ``deep_interval``, or longer where reads are slow, so that they take at most
+    ``deep_read_share`` of the rank's time. The read's duration, measured here, includes the exporter's own
+    parsing: an upper bound of what the rank's worker server spent. A ``deep_interval`` of 0 asks for a read
+    whenever values move, and gets it."""
+    if read_seconds is None or config.deep_read_share <= 0 or config.deep_interval <= 0:
+        return config.deep_interval
+    return max(config.deep_interval, read_seconds / config.deep_read_share)
+
 @dataclass
 class _PGTrack:
     deep: DeepView | None = None
@@ -161,6 +173,7 @@ class _RankTrack:
     deep_raw: dict[str, dict[int, RawPGStatus]] = field(default_factory=dict)  # recorder -> raw at deep read
     deep_time: float | None = None  # wall clock of the last deep read (exported)
     deep_mono: float | None = None  # the same moment on the monotonic clock (spacing decisions)
+    deep_seconds: float | None = None  # how long the last deep read took (request to parsed answer)
     deep_pending: cf.Future | None = None
     ping_pending: cf.Future | None = None
     socket_alive: bool | None = None
@@ -565,11 +578,13 @@ class RanksSource:
                 # counters off the collective domain) is refreshed at most every deep_interval.
                 if settled and pending:
                     return True
-                if mono - track.deep_mono >= self.config.deep_interval:
+                if mono - track.deep_mono >= routine_deep_interval(track.deep_seconds, self.config):
                     return True
         return False
 
-    def _deep_read(self, manifest: Manifest, path: str) -> dict[str, trace.FrDump]:
+    def _deep_read(self, manifest: Manifest, path: str) -> tuple[dict[str, trace.FrDump], float]:
+        """Every recorder's ring of one rank, and how long reading them took."""
+        started = time.perf_counter()
         dumps = {}
         for recorder in manifest.recorders:
             handler, query = DEEP_HANDLERS.get(recorder, ("", ""))
@@ -577,7 +592,7 @@ class RanksSource:
                 continue
             obj = worker_client.post_json(path, handler, self.config.rank_timeout, query, trust=self._trust)
             dumps[recorder] = trace.parse_dump(obj, f"{path} {handler}")
-        return dumps
+        return dumps, time.perf_counter() - started
 
     def _await_socket_work(self) -> None:
         futures = [f for t in self._ranks.values() for f in (t.deep_pending, t.ping_pending) if f is not None]
@@ -597,7 +612,8 @@ class RanksSource:
             if track.deep_pending is not None and track.deep_pending.done():
                 future, track.deep_pending = track.deep_pending, None
                 try:
-                    self._absorb_deep(track, future.result(), now)
+                    dumps, track.deep_seconds = future.result()
+                    self._absorb_deep(track, dumps, now)
                     track.deep_mono = mono
                     track.socket_alive = True
                 except FrexporterError as e:  # the socket's failure, or an answer the parser refused
