@@ -16,6 +16,19 @@ from tests.harness import REPO
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
+def gloo_rank(spool_dir: Path) -> str:
+    """The start of a one-rank gloo job's script: the recorder installed into ``spool_dir`` as ``pub``, the
+    default process group up, ``os``, ``time``, ``json``, ``spool``, ``torch`` and ``dist`` imported."""
+    return (
+        "import os, time, json\n"
+        "from frexporter import spool\n"
+        "from frexporter.recorder import install\n"
+        f"pub = install({str(spool_dir)!r})\n"
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+    )
+
+
 def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**ENV, **env})
@@ -101,13 +114,7 @@ def test_disk_full_while_writing_snapshots_is_counted_and_training_continues(tmp
     # A spool on a 64 KiB tmpfs would need mount rights; /dev/full gives ENOSPC on every write instead.
     # Updates of the mapped snapshot cannot run out of space (its blocks exist from the start): the disk can
     # be full when the file is (re)created, which happens here on every snapshot until there is room again.
-    code = (
-        "import os, time, json, errno\n"
-        "from frexporter import spool\n"
-        "from frexporter.recorder import install\n"
-        f"pub = install({str(tmp_path)!r})\n"
-        "import torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+    code = gloo_rank(tmp_path) + (
         "deadline = time.time() + 30\n"
         "while pub._counter < 3 and time.time() < deadline: time.sleep(0.02)\n"
         "real = spool.SnapshotMap._create\n"
@@ -166,17 +173,11 @@ def test_destroyed_and_recreated_process_group_is_published_again(tmp_path: Path
     # After identification the recorder reads only the PG table's size (destroy_process_group() empties it)
     # instead of is_initialized(): snapshots pause while it is empty and resume, with a new manifest, after a
     # new init_process_group().
-    code = (
-        "import json, time\n"
-        "from frexporter import spool\n"
-        "from frexporter.recorder import install\n"
-        f"pub = install({str(tmp_path)!r})\n"
-        "import torch, torch.distributed as dist\n"
+    code = gloo_rank(tmp_path) + (
         "def wait(cond):\n"
         "    deadline = time.time() + 30\n"
         "    while not cond() and time.time() < deadline: time.sleep(0.02)\n"
         "    assert cond()\n"
-        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
         "dist.new_group([0])\n"
         "wait(lambda: pub._counter >= 3)\n"
         "gen = pub._generation\n"
@@ -202,13 +203,7 @@ def test_destroyed_and_recreated_process_group_is_published_again(tmp_path: Path
 def test_stack_is_sampled_only_while_the_rank_makes_no_collective_progress(tmp_path: Path) -> None:
     # A rank that completes collectives is nobody's culprit: its snapshots carry no stack, and training pays
     # nothing for one. Once it stops (here: parked in a named function), the stack comes within two snapshots.
-    code = (
-        "import os, time, json\n"
-        "from frexporter import spool\n"
-        "from frexporter.recorder import install\n"
-        f"pub = install({str(tmp_path)!r})\n"
-        "import torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+    code = gloo_rank(tmp_path) + (
         "t = torch.ones(4)\n"
         "deadline = time.time() + 60\n"
         "def snap():\n"

@@ -329,7 +329,6 @@ class Publisher:
             self._stem = stem
             self._map = spool.SnapshotMap(self._path(spool.SNAPSHOT_MAP_SUFFIX))
         self._starting = False
-        self._status = fr.StatusReader(fr.available_recorders())
         sock_name = ""
         try:
             path = os.path.join(self.directory, spool.socket_name(self._stem))
@@ -353,7 +352,7 @@ class Publisher:
             "gpu_uuid": fr.gpu_uuid(),
             "socket": sock_name,
             "handlers": list(fr.handler_names()),
-            "recorders": list(self._status.recorders),
+            "recorders": [],  # _write_manifest: the ones its process groups use, with the reader for them
             "fr_buffer_size": fr.buffer_size(),
             "state": spool.STATE_RUNNING,
         }

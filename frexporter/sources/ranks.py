@@ -139,7 +139,6 @@ class _Throttle:
                               "frexporter_source_errors_total counts every one", window[2], key, now - window[0])
 
 
-
 def routine_deep_interval(read_seconds: float | None, config: RanksConfig) -> float:
     """Seconds between routine deep reads (those that only refresh moving values) of a rank whose last read
     took ``read_seconds``: ``deep_interval``, or longer where reads are slow, so that they take at most
@@ -149,6 +148,7 @@ def routine_deep_interval(read_seconds: float | None, config: RanksConfig) -> fl
     if read_seconds is None or config.deep_read_share <= 0 or config.deep_interval <= 0:
         return config.deep_interval
     return max(config.deep_interval, read_seconds / config.deep_read_share)
+
 
 @dataclass
 class _PGTrack:
@@ -562,6 +562,7 @@ class RanksSource:
             return False
         if track.deep_mono is None:
             return True
+        routine_due = mono - track.deep_mono >= routine_deep_interval(track.deep_seconds, self.config)
         for recorder, statuses in raw.items():
             known = track.learned_ids.get(recorder, {})
             at_deep = track.deep_raw.get(recorder, {})
@@ -575,10 +576,11 @@ class RanksSource:
                 pending = status.enqueued > status.completed
                 # Work in flight that stopped moving may be a hang: read its entries at once. Anything
                 # else that moved since the last read (p2p traffic may have shifted torch's raw
-                # counters off the collective domain) is refreshed at most every deep_interval.
+                # counters off the collective domain) is refreshed at most every deep_interval (or further
+                # apart where reads are slow: routine_deep_interval).
                 if settled and pending:
                     return True
-                if mono - track.deep_mono >= routine_deep_interval(track.deep_seconds, self.config):
+                if routine_due:
                     return True
         return False
 
