@@ -5,7 +5,8 @@ parsed with ``ast``, never imported, and every import it makes, at module level,
 Bottom to top (a layer may import itself and the layers listed before it):
 
     base        frexporter (the version), frexporter.naming, frexporter.model, frexporter.defaults,
-                frexporter.errors, frexporter.extras: names, types, defaults, the error shape, extras
+                frexporter.errors, frexporter.extras, frexporter.safetext: names, types, defaults, the error
+                shape, extras, text made safe
     spool       frexporter.spool (a module or a package): the on-disk contract between recorder and exporter
     fr          frexporter.fr: Flight Recorder dumps and the sequence domain
     sources     frexporter.sources: spool, sockets and NVML to model objects
@@ -42,7 +43,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "frexporter"
 ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     # and the bare package (ROOT)
     ("base", ("frexporter.naming", "frexporter.model", "frexporter.defaults", "frexporter.errors",
-              "frexporter.extras")),
+              "frexporter.extras", "frexporter.safetext")),
     ("spool", ("frexporter.spool",)),
     ("fr", ("frexporter.fr",)),
     ("sources", ("frexporter.sources",)),
