@@ -107,7 +107,7 @@ def test_bad_launcher_field_is_dropped_and_counted_never_the_rank(tmp_path: Path
 
 def test_missing_launcher_is_no_error_and_old_manifests_read_as_running(tmp_path: Path) -> None:
     parsed = spool.parse_manifest({"format": spool.MANIFEST_FORMAT, "job_id": "j", "rank": 0, "pid": 1})
-    assert parsed.state == spool.STATE_RUNNING and parsed.launcher is None and parsed.launcher_problems == ()
+    assert parsed.state == spool.STATE_RUNNING and parsed.launcher is None and parsed.problems == ()
     with pytest.raises(spool.SpoolError):
         spool.parse_manifest({"format": spool.MANIFEST_FORMAT, "job_id": "j", "rank": 0, "pid": 1, "state": "x"})
 

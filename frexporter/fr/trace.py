@@ -13,9 +13,12 @@ newest, the ones in flight, and a PG name cut short could be another PG's.
 
 from __future__ import annotations
 
+import json
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from frexporter import safetext
 from frexporter.spool import (
     INT_MAX,
     INT_MIN,
@@ -41,6 +44,20 @@ MAX_CONFIG_KEY_CHARS = 64  # keys of a pg_config entry
 MAX_CONFIG_VALUES = 16  # keys of a pg_config entry
 # Text over all of pg_config; its "ranks" values list every member as text (about 1 MB for 131,072 ranks).
 MAX_CONFIG_CHARS = 1 << 24
+
+# A rank's answer to a deep read is bounded before it is parsed, by what the ring its manifest declares can
+# hold: json.loads of 60 MB of ``{},`` builds 20 million objects (12 GB) before MAX_ENTRIES could refuse them.
+ANSWER_ASSUMED_RING = 2000  # torch's default ring size, for a manifest that does not state its own
+# A real gloo entry is about 480 bytes of JSON and opens 8 objects and lists (one tensor in, one out).
+ANSWER_BYTES_PER_ENTRY = 4096
+ANSWER_CONTAINERS_PER_ENTRY = 16
+# Coalesced collectives list a shape per tensor: room for 64 of them with 1024 tensors in and out.
+ANSWER_SHAPE_LISTS = 1 << 17
+ANSWER_BYTES_PER_SHAPE = 16  # "[1024, 4096], "
+ANSWER_BYTES_PER_MEMBER = 8  # "131071, " in pg_config's "ranks" text
+ANSWER_BASE_BYTES = 1 << 20  # pg_status, pg_config's other fields, versions
+ANSWER_BASE_CONTAINERS = 4 * MAX_PGS  # pg_status and pg_config objects
+ANSWER_MAX_BYTES = 64 * 1024 * 1024  # whatever the manifest claims
 
 
 @dataclass(frozen=True, slots=True)  # slots: a full ring is 100,000 of these
@@ -85,6 +102,8 @@ class FrDump:
     entries: tuple[FrEntry, ...]
     pg_config: dict[str, dict[str, Any]]
     dropped_entries: int
+    # Strings that held lone surrogates (not valid UTF-8), kept with U+FFFD in their place
+    repaired_text: int = 0
 
 
 def _int(v: Any, default: int = 0) -> int:
@@ -103,12 +122,18 @@ def _int(v: Any, default: int = 0) -> int:
     return default
 
 
-def _text(v: Any, limit: int) -> str:
+def _text(v: Any, limit: int, budget: _Budget | None = None) -> str:
     """A scalar as text; a string longer than ``limit`` refuses the dump. Containers are refused: a pickle
-    can share one list under itself many times, and ``str()`` of such a DAG is exponential in the file size."""
+    can share one list under itself many times, and ``str()`` of such a DAG is exponential in the file size.
+    Lone surrogates (bytes that were not UTF-8) are repaired, and counted in ``budget``: such a string as a
+    label value would fail every render of /metrics."""
     if isinstance(v, str):
         if len(v) > limit:
             raise SpoolError(LIMIT_TEXT, f"a string of {len(v)} characters, over the bound of {limit}")
+        if not safetext.is_valid(v):
+            if budget is not None:
+                budget.repaired += 1
+            return safetext.repair(v)
         return v
     if v is None or isinstance(v, (bool, float)) or (isinstance(v, int) and INT_MIN <= v <= INT_MAX):
         return str(v)[:limit]  # a number's text: at most 24 characters, cut only under tiny limits
@@ -119,10 +144,11 @@ class _Budget:
     """What is left of MAX_SIZE_VALUES for one dump, and the lists already converted: a pickle that hands
     every entry the same list (a memo reference) is converted once, though charged for every use."""
 
-    __slots__ = ("done", "left")
+    __slots__ = ("done", "left", "repaired")
 
     def __init__(self) -> None:
         self.left = MAX_SIZE_VALUES
+        self.repaired = 0  # strings whose lone surrogates were replaced
         # id() of a list in the decoded dump -> (its cost, its conversion); the dump outlives the parse
         self.done: dict[int, tuple[int, tuple[Any, ...]]] = {}
 
@@ -160,12 +186,12 @@ def _sizes(v: Any, budget: _Budget) -> tuple[tuple[int, ...], ...]:
 def _strs(v: Any, budget: _Budget) -> tuple[str, ...]:
     if isinstance(v, str):  # one dtype written as a plain string (hand-made dumps, torch's own analyzer tests)
         budget.spend(1)
-        return (v[:MAX_WORD_CHARS],) if v else ()
+        return (_text(v[:MAX_WORD_CHARS], MAX_WORD_CHARS, budget),) if v else ()
     if not isinstance(v, (list, tuple)):
         return ()
     done = budget.done.get(id(v))
     if done is None:
-        done = budget.done[id(v)] = (len(v), tuple(_text(x, MAX_WORD_CHARS) for x in _tensors(v)))
+        done = budget.done[id(v)] = (len(v), tuple(_text(x, MAX_WORD_CHARS, budget) for x in _tensors(v)))
     budget.spend(done[0])
     return done[1]
 
@@ -177,7 +203,7 @@ def parse_entry(raw: Any, budget: _Budget | None = None) -> FrEntry:
         raise ValueError("entry is not an object")
     pg = raw.get("process_group")
     if isinstance(pg, (list, tuple)) and len(pg) >= 2:
-        pg_name, pg_desc = _text(pg[0], MAX_TEXT_CHARS), _text(pg[1], MAX_TEXT_CHARS)
+        pg_name, pg_desc = _text(pg[0], MAX_TEXT_CHARS, budget), _text(pg[1], MAX_TEXT_CHARS, budget)
     else:
         raise ValueError("entry has no process_group")
     timeout = raw.get("timeout_ms")
@@ -190,9 +216,9 @@ def parse_entry(raw: Any, budget: _Budget | None = None) -> FrEntry:
         collective_seq_id=_int(raw.get("collective_seq_id")),
         p2p_seq_id=_int(raw.get("p2p_seq_id")),
         op_id=_int(raw.get("op_id")),
-        profiling_name=_text(raw.get("profiling_name", ""), MAX_OP_CHARS),
+        profiling_name=_text(raw.get("profiling_name", ""), MAX_OP_CHARS, budget),
         time_created_ns=_int(raw.get("time_created_ns")),
-        state=_text(raw.get("state", ""), MAX_WORD_CHARS),
+        state=_text(raw.get("state", ""), MAX_WORD_CHARS, budget),
         retired=bool(raw.get("retired", False)),
         timeout_ms=_int(timeout) if isinstance(timeout, (int, float, str)) and not isinstance(timeout, bool)
         else None,
@@ -216,8 +242,8 @@ def parse_dump(obj: Any, what: str = "FR dump") -> FrDump:
         raise SpoolError("foreign", f"{what}: not a Flight Recorder dump")
     raw_version = obj.get("version", "")
     try:  # shown, never compared: cut rather than refused
-        version = _text(raw_version[:MAX_WORD_CHARS] if isinstance(raw_version, str) else raw_version,
-                        MAX_WORD_CHARS)
+        version = safetext.repair(_text(raw_version[:MAX_WORD_CHARS] if isinstance(raw_version, str)
+                                        else raw_version, MAX_WORD_CHARS))
     except ValueError:
         version = ""
     pg_status = parse_pg_status(obj.get("pg_status", {}), what) if "pg_status" in obj else {}
@@ -235,7 +261,7 @@ def parse_dump(obj: Any, what: str = "FR dump") -> FrDump:
                 entries.append(parse_entry(raw, budget))
             except (ValueError, TypeError, OverflowError):
                 dropped += 1
-        pg_config = _pg_config(obj.get("pg_config"))
+        pg_config = _pg_config(obj.get("pg_config"), budget)
     except SpoolError as e:
         raise SpoolError(e.reason, f"{what}: {e}") from e
     return FrDump(
@@ -244,10 +270,72 @@ def parse_dump(obj: Any, what: str = "FR dump") -> FrDump:
         entries=tuple(entries),
         pg_config=pg_config,
         dropped_entries=dropped,
+        repaired_text=budget.repaired,
     )
 
 
-def _pg_config(raw: Any) -> dict[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class AnswerBounds:
+    """What one rank's FR answer may hold: its size in bytes, and the objects and lists it may open."""
+
+    max_bytes: int
+    max_containers: int
+
+
+def answer_bounds(ring_size: int, members: int) -> AnswerBounds:
+    """Bounds for a rank whose manifest declares a ring of ``ring_size`` entries (0: not stated) and whose
+    process groups list ``members`` members in all (pg_config spells each of them).
+
+    A legitimately large ring (100,000 entries) is still read whole; a ring that is not there cannot be.
+    """
+    ring = min(MAX_ENTRIES, ring_size if ring_size > 0 else ANSWER_ASSUMED_RING)
+    max_bytes = (ANSWER_BASE_BYTES + ring * ANSWER_BYTES_PER_ENTRY + ANSWER_SHAPE_LISTS * ANSWER_BYTES_PER_SHAPE
+                 + max(0, members) * ANSWER_BYTES_PER_MEMBER)
+    return AnswerBounds(max_bytes=min(ANSWER_MAX_BYTES, max_bytes),
+                        max_containers=ANSWER_BASE_CONTAINERS + ring * ANSWER_CONTAINERS_PER_ENTRY
+                        + ANSWER_SHAPE_LISTS)
+
+
+def parse_answer(body: bytes | bytearray, bounds: AnswerBounds, what: str) -> FrDump:
+    """A rank's JSON answer (torch's ``fr_trace_json`` / ``dump_nccl_trace_json``) as a dump, or SpoolError.
+
+    The objects and lists it opens are counted before it is parsed (``{`` and ``[`` inside strings count too:
+    an upper bound, at C speed), so that an answer past ``bounds`` costs no more than its bytes. A refused
+    parse leaves no garbage behind: the frames of its traceback, which hold the parsed tree in a cycle only
+    the garbage collector would break (and rarely does while millions of objects are young), are cleared.
+    """
+    error: SpoolError
+    try:
+        if len(body) > bounds.max_bytes:
+            raise SpoolError(LIMIT_ITEMS, f"{what}: an answer of {len(body)} bytes, over the bound of "
+                                          f"{bounds.max_bytes} for this rank's ring")
+        containers = body.count(b"{") + body.count(b"[")
+        if containers > bounds.max_containers:
+            raise SpoolError(LIMIT_ITEMS, f"{what}: an answer of {containers} objects and lists, over the bound "
+                                          f"of {bounds.max_containers} for this rank's ring")
+        return parse_dump(json.loads(body), what)
+    except SpoolError as e:
+        error = SpoolError(e.reason, str(e))
+        _release(e)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the C parser allows
+        error = SpoolError("bad_response", f"{what}: not valid JSON ({type(e).__name__})")
+        _release(e)
+    try:
+        raise error
+    finally:
+        del error  # or this frame and the error's traceback hold each other, and the answer, in a cycle
+
+
+def _release(exc: BaseException | None) -> None:
+    """Clear the locals of every finished frame in ``exc``'s tracebacks (and its causes')."""
+    seen = 0
+    while exc is not None and seen < 16:
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+
+
+def _pg_config(raw: Any, budget: _Budget) -> dict[str, dict[str, Any]]:
     """``{name: {"name", "desc", "ranks": "<str of list>"}}`` with text values only, so that later
     ``str()`` or ``json.loads`` of a value costs no more than its size, and MAX_CONFIG_CHARS of it in all."""
     if not isinstance(raw, dict):
@@ -265,12 +353,12 @@ def _pg_config(raw: Any) -> dict[str, dict[str, Any]]:
         clean = {}
         for key, value in cfg.items():
             try:
-                text = _text(value, MAX_CONFIG_CHARS)
-                clean[_text(key, MAX_CONFIG_KEY_CHARS)] = text
+                text = _text(value, MAX_CONFIG_CHARS, budget)
+                clean[_text(key, MAX_CONFIG_KEY_CHARS, budget)] = text
             except ValueError:
                 continue
             chars += len(text)
             if chars > MAX_CONFIG_CHARS:
                 raise SpoolError(LIMIT_TEXT, f"pg_config holds over {MAX_CONFIG_CHARS} characters of text")
-        out[_text(name, MAX_TEXT_CHARS)] = clean
+        out[_text(name, MAX_TEXT_CHARS, budget)] = clean
     return out

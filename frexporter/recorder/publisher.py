@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from frexporter import spool
+from frexporter import safetext, spool
 from frexporter.recorder import fr
 
 log = logging.getLogger("frexporter.recorder")
@@ -55,7 +55,9 @@ STACK_CACHE_MAX = 16384
 class Publisher:
     def __init__(self, directory: str, job_id: str | None, interval: float) -> None:
         self.directory = directory
-        self.job_id_hint = job_id
+        # Text from the environment (or the caller) may hold undecodable bytes as lone surrogates; written as
+        # escapes, so the manifest is valid UTF-8 and every node spells the same bytes the same way.
+        self.job_id_hint = safetext.from_environment(job_id) if job_id else job_id
         self._interval = interval
         self.errors: dict[str, int] = {}
         self._logged: set[str] = set()
@@ -112,7 +114,8 @@ class Publisher:
                 "format": spool.MANIFEST_FORMAT, "job_id": job_id, "rank": rank,
                 "local_rank": self._launcher.get("local_rank", _env_int("LOCAL_RANK", -1)),
                 "world_size": self._launcher.get("world_size", 0), "pid": self._pid,
-                "hostname": socket.gethostname(), "start_time": self.start_time, "backends": [],
+                "hostname": safetext.from_environment(socket.gethostname()), "start_time": self.start_time,
+                "backends": [],
                 "socket": "", "handlers": [], "recorders": [], "process_groups": [],
                 "state": spool.STATE_STARTING, "launcher": self._launcher,
             }
@@ -345,7 +348,7 @@ class Publisher:
             "local_rank": _env_int("LOCAL_RANK", -1),
             "world_size": dist.get_world_size(),
             "pid": os.getpid(),
-            "hostname": socket.gethostname(),
+            "hostname": safetext.from_environment(socket.gethostname()),
             "start_time": self.start_time,
             "torch_version": str(torch.__version__),
             "backends": [],
@@ -495,7 +498,7 @@ def default_job_id() -> str:
     for var in ("FREXPORTER_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "JOB_ID"):
         value = os.environ.get(var)
         if value and value != "none":
-            return value
+            return safetext.from_environment(value)
     return "default"
 
 

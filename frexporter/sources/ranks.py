@@ -98,6 +98,22 @@ class _FileSig:
         return _FileSig(st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _outcome(future: cf.Future[Any]) -> tuple[Any, BaseException | None]:
+    """A finished future's result, or its exception, without raising it here: a raised exception's traceback
+    takes in this frame, whose locals hold the future, which holds the exception: a cycle that keeps a refused
+    answer (tens of MB) alive until the garbage collector runs."""
+    error = future.exception()
+    return (None, error) if error is not None else (future.result(), None)
+
+
+def _as_source_error(error: BaseException, reason: str, stem: str) -> FrexporterError:
+    """``error`` as it is counted: ours as they are; anything else (an answer we do not understand must not
+    stop the poll) under ``reason``."""
+    if isinstance(error, FrexporterError):
+        return error
+    return SourceError(reason, f"{stem}: {error!r}")
+
+
 class _Throttle:
     """Warnings rate-limited per key (a reason: a small fixed set), ``burst`` per ``window`` seconds."""
 
@@ -395,7 +411,7 @@ class RanksSource:
                 self._report(name, sig, e)
                 continue
             self._bad_files.pop(name, None)
-            for reason, message in manifest.launcher_problems:  # dropped fields; the rest of the rank stands
+            for reason, message in manifest.problems:  # dropped or repaired fields; the rest of the rank stands
                 self.errors.append((reason, message))
                 self._throttle.warning(reason, "%s (reason=%s)", message, reason)
             if track is None or track.manifest.pid != manifest.pid or track.manifest.start_time != manifest.start_time:
@@ -592,8 +608,13 @@ class RanksSource:
             handler, query = DEEP_HANDLERS.get(recorder, ("", ""))
             if not handler or (manifest.handlers and handler not in manifest.handlers):
                 continue
-            obj = worker_client.post_json(path, handler, self.config.rank_timeout, query, trust=self._trust)
-            dumps[recorder] = trace.parse_dump(obj, f"{path} {handler}")
+            bounds = trace.answer_bounds(manifest.fr_buffer_size, manifest.members_total)
+            body = worker_client.post(path, handler, self.config.rank_timeout, query, max_bytes=bounds.max_bytes,
+                                      trust=self._trust)
+            try:
+                dumps[recorder] = trace.parse_answer(body, bounds, f"{path} {handler}")
+            finally:
+                del body  # neither while the next recorder is read nor by a refusal's traceback
         return dumps, time.perf_counter() - started
 
     def _await_socket_work(self) -> None:
@@ -605,27 +626,27 @@ class RanksSource:
             if track.stack_pending is not None and track.stack_pending[0].done():
                 self._absorb_stack(track)
             if track.ping_pending is not None and track.ping_pending.done():
-                future, track.ping_pending = track.ping_pending, None
-                try:
-                    track.socket_alive = bool(future.result())
-                except SourceError as e:
-                    track.socket_alive = e.reason not in _SOCKET_GONE
-                    self._log_once(track, e)
+                alive, error = _outcome(track.ping_pending)
+                track.ping_pending = None
+                if error is None:
+                    track.socket_alive = bool(alive)
+                else:
+                    reason = error.reason if isinstance(error, FrexporterError) else ""
+                    track.socket_alive = reason not in _SOCKET_GONE
+                    self._log_once(track, _as_source_error(error, "socket_error", track.stem))
             if track.deep_pending is not None and track.deep_pending.done():
-                future, track.deep_pending = track.deep_pending, None
-                try:
-                    dumps, track.deep_seconds = future.result()
+                read, error = _outcome(track.deep_pending)
+                track.deep_pending = None
+                if error is None:
+                    dumps, track.deep_seconds = read
                     self._absorb_deep(track, dumps, now)
                     track.deep_mono = mono
                     track.socket_alive = True
-                except FrexporterError as e:  # the socket's failure, or an answer the parser refused
-                    if e.reason in _SOCKET_GONE:
+                else:  # the socket's failure, an answer the parser refused, or one we do not understand
+                    if isinstance(error, FrexporterError) and error.reason in _SOCKET_GONE:
                         track.socket_alive = False
                     track.deep_time, track.deep_mono = now, mono  # do not hammer a failing socket every poll
-                    self._log_once(track, e)
-                except Exception as e:  # a torch answer we do not understand must not stop the poll
-                    track.deep_time, track.deep_mono = now, mono
-                    self._log_once(track, SourceError("bad_response", f"{track.stem}: {e!r}"))
+                    self._log_once(track, _as_source_error(error, "bad_response", track.stem))
 
     def _absorb_stack(self, track: _RankTrack) -> None:
         """A finished py-spy fetch (never waited for: a poll takes what is done). Its frames stand for the
@@ -633,13 +654,9 @@ class RanksSource:
         own sample."""
         assert track.stack_pending is not None
         (future, wedge), track.stack_pending = track.stack_pending, None
-        try:
-            frames = future.result()
-        except FrexporterError as e:  # the socket's failure, py-spy's, or an answer the parser refused
-            self._log_once(track, e)
-            return
-        except Exception as e:  # an answer we do not understand must not stop the poll
-            self._log_once(track, SourceError(pyspy.REASON_INVALID, f"{track.stem}: {e!r}"))
+        frames, error = _outcome(future)
+        if error is not None:  # the socket's failure, py-spy's, or an answer the parser refused or misunderstood
+            self._log_once(track, _as_source_error(error, pyspy.REASON_INVALID, track.stem))
             return
         if wedge == track.wedges and track.status == RANK_UNRESPONSIVE:
             track.stack_frames = frames
@@ -668,6 +685,10 @@ class RanksSource:
                 pg.has_p2p = pg.has_p2p or view.has_p2p
             track.deep_raw[recorder] = dict(dump.pg_status)
             self._absorb_entries(track, recorder, dump)
+            if dump.repaired_text:
+                self._log_once(track, SourceError(spool.TEXT_REPAIRED, (
+                    f"{track.stem}: {dump.repaired_text} strings of its {recorder} Flight Recorder answer were not "
+                    "valid UTF-8; shown with U+FFFD in place of what could not be decoded")))
 
     def _absorb_entries(self, track: _RankTrack, recorder: str, dump: trace.FrDump) -> None:
         """Feed entries not seen before to the duration/bytes counters and the lateness tracker, once each."""

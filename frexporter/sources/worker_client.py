@@ -25,6 +25,7 @@ from frexporter import spool
 from frexporter.sources.base import SourceError
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+_MAX_HEAD_BYTES = 65536  # a response's status line and headers
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
@@ -63,7 +64,7 @@ def _check_peer(sock: socket.socket, path: str, owner: int) -> None:
 
 
 def post(path: str, handler: str, timeout: float, query: str = "",
-         max_bytes: int = MAX_RESPONSE_BYTES, trust: spool.Trust | None = None) -> bytes:
+         max_bytes: int = MAX_RESPONSE_BYTES, trust: spool.Trust | None = None) -> bytes | bytearray:
     """POST /handler/<name> and return the body, or raise SourceError with a reason.
 
     ``trust``: whose sockets may be used (default: check_permissions' rules for this process).
@@ -92,36 +93,47 @@ def post(path: str, handler: str, timeout: float, query: str = "",
             f"POST {target} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n"
             "Connection: close\r\n\r\n"
         ).encode()
-        chunks: list[bytes] = []
-        total = 0
-        expected: int | None = None  # whole response length, once the head has arrived
         try:
             sock.sendall(request)
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError
-                sock.settimeout(remaining)
-                chunk = sock.recv(1 << 20)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                total += len(chunk)
-                if total > max_bytes + 65536:
-                    raise SourceError("oversized", f"{path}: response larger than {max_bytes} bytes")
-                if expected is None and len(chunks) < 64:
-                    # Only the first chunks can hold the head; joining them all on every recv of a 1 MB
-                    # FR dump would copy it over and over.
-                    expected = _expected_length(b"".join(chunks))
-                if expected is not None and total >= expected:
-                    break
+            data = _receive(sock, deadline, max_bytes, path)
         except TimeoutError as e:
             raise SourceError("socket_timeout", f"{path}: no answer to {handler} within {timeout:.1f}s") from e
         except OSError as e:
             raise SourceError("socket_error", f"{path}: {e.strerror or e}") from e
     finally:
         sock.close()
-    return _parse_response(b"".join(chunks), path, handler)
+    return _parse_response(data, path, handler)
+
+
+def _receive(sock: socket.socket, deadline: float, max_bytes: int, path: str) -> bytearray:
+    """The whole response, read into one growing buffer (no list of chunks joined into a second copy).
+
+    An answer whose head announces a body over ``max_bytes`` is refused before its body is read; one without
+    a length is refused once ``max_bytes`` of it arrived.
+    """
+    data = bytearray()
+    expected: int | None = None  # whole response length, once the head has arrived
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        sock.settimeout(remaining)
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            return data
+        data += chunk
+        if len(data) > max_bytes + _MAX_HEAD_BYTES:
+            raise SourceError("oversized", f"{path}: response larger than {max_bytes} bytes")
+        if expected is None and len(data) - len(chunk) < _MAX_HEAD_BYTES:
+            # Only the start can hold the head; looking for it in every recv of a 1 MB FR dump would scan
+            # the dump over and over.
+            expected = _expected_length(bytes(data[:_MAX_HEAD_BYTES]))
+            if expected is not None and expected > max_bytes + _MAX_HEAD_BYTES:
+                raise SourceError("oversized", f"{path}: response of {expected} bytes announced, over the bound "
+                                               f"of {max_bytes}; not read")
+        if expected is not None and len(data) >= expected:
+            return data
+
 
 
 def _expected_length(data: bytes) -> int | None:
@@ -149,11 +161,17 @@ def _complete(chunks: list[bytes]) -> bool:
     return expected is not None and len(data) >= expected
 
 
-def _parse_response(data: bytes, path: str, handler: str) -> bytes:
+def _parse_response(data: bytes | bytearray, path: str, handler: str) -> bytes | bytearray:
+    """The body of ``data``; a bytearray's is cut out in place (an FR answer can be tens of MB)."""
     head_end = data.find(b"\r\n\r\n")
     if head_end < 0:
         raise SourceError("bad_response", f"{path}: incomplete HTTP response to {handler}")
-    head, body = data[:head_end], data[head_end + 4 :]
+    head = bytes(data[:head_end])
+    if isinstance(data, bytearray):
+        del data[: head_end + 4]
+        body: bytes | bytearray = data
+    else:
+        body = data[head_end + 4 :]
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
@@ -177,7 +195,8 @@ def _parse_response(data: bytes, path: str, handler: str) -> bytes:
             raise SourceError("bad_response", f"{path}: bad Content-Length")
         if len(body) < length:
             raise SourceError("bad_response", f"{path}: truncated response to {handler}")
-        body = body[:length]
+        if len(body) > length:
+            body = body[:length]
     if code == 404:
         raise SourceError("handler_missing", f"{path}: handler {handler} not available in this torch")
     if code != 200:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from frexporter import safetext
 from frexporter.model import Members
 from frexporter.spool.layout import INT_MAX, INT_MIN, MANIFEST_FORMAT, SNAPSHOT_FORMAT, SNAPSHOT_MAP_FORMAT, SpoolError
 from frexporter.spool.limits import (
@@ -119,20 +120,11 @@ def parse_launcher(raw: Any, what: str) -> tuple[Launcher | None, tuple[tuple[st
         elif len(value) > MAX_TEXT_CHARS:
             problems.append((LIMIT_TEXT, f"{what}: launcher.{key} is {len(value)} characters long, over the "
                                          f"bound of {MAX_TEXT_CHARS}; dropped"))
-        elif not _utf8(value):
+        elif not safetext.is_valid(value):
             problems.append((LAUNCHER_INVALID, f"{what}: launcher.{key} is not UTF-8; dropped"))
         else:
             values[key] = value
     return Launcher(**values), tuple(problems)
-
-
-def _utf8(value: str) -> bool:
-    """False for text with lone surrogates: how JSON carries bytes that were not UTF-8 (an environment's)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -156,7 +148,13 @@ class Manifest:
     # Optional since the launcher facts (older recorders write neither): older manifests read as running.
     state: str = STATE_RUNNING
     launcher: Launcher | None = None
-    launcher_problems: tuple[tuple[str, str], ...] = ()  # (reason, message) per launcher field dropped
+    # (reason, message) per field dropped (launcher fields) or repaired (text that was not valid Unicode)
+    problems: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def members_total(self) -> int:
+        """Members over all of its process groups (what torch's pg_config spells out in a dump)."""
+        return sum(len(pg.ranks) for pg in self.process_groups)
 
 
 @dataclass(frozen=True)
@@ -188,6 +186,10 @@ class Snapshot:
 
 # An optional snapshot field (cpu, stack) dropped as malformed; counted by reason, the snapshot stands.
 SNAPSHOT_FIELD_INVALID = "snapshot_field_invalid"
+# A string that held lone surrogates (bytes that were not UTF-8, e.g. a Latin-1 environment value), kept with
+# each one replaced by U+FFFD: refusing the file would lose an honest rank, keeping the string as it is would
+# fail every render of /metrics (a label value must encode as UTF-8).
+TEXT_REPAIRED = "text_repaired"
 
 
 def parse_stack(raw: Any, what: str) -> tuple[tuple[tuple[str, str, int], ...], tuple[tuple[str, str], ...]]:
@@ -208,7 +210,7 @@ def parse_stack(raw: Any, what: str) -> tuple[tuple[tuple[str, str, int], ...], 
         if len(frame[0]) > MAX_FRAME_TEXT_CHARS or len(frame[1]) > MAX_FRAME_TEXT_CHARS:
             return (), ((LIMIT_TEXT, f"{what}: stack[{i}] has a string over the bound of {MAX_FRAME_TEXT_CHARS} "
                                      "characters; dropped"),)
-        if not _utf8(frame[0]) or not _utf8(frame[1]):
+        if not safetext.is_valid(frame[0]) or not safetext.is_valid(frame[1]):
             return (), ((SNAPSHOT_FIELD_INVALID, f"{what}: stack[{i}] is not UTF-8; dropped"),)
         out.append((frame[0], frame[1], frame[2]))
     return tuple(out), ()
@@ -218,11 +220,17 @@ class _Fields:
     """Typed access to an untrusted JSON object; every miss is a SpoolError('invalid'), every string and
     list past its bound a SpoolError with a LIMIT_REASONS reason."""
 
-    def __init__(self, obj: Any, what: str) -> None:
+    def __init__(self, obj: Any, what: str, problems: list[tuple[str, str]] | None = None) -> None:
         if not isinstance(obj, dict):
             raise SpoolError("invalid", f"{what}: expected an object, got {type(obj).__name__}")
         self.obj = obj
         self.what = what
+        # (TEXT_REPAIRED, message) per string repaired; shared by the views of one file
+        self.problems: list[tuple[str, str]] = [] if problems is None else problems
+
+    def text(self, value: str, limit: int, what: str) -> str:
+        """``value`` within its bound, lone surrogates repaired (and reported)."""
+        return _repaired(_bounded_text(value, limit, what), what, self.problems)
 
     def _get(self, key: str, types: tuple[type, ...], default: Any) -> Any:
         if key not in self.obj:
@@ -238,8 +246,8 @@ class _Fields:
         return value
 
     def str(self, key: str, default: Any = None, limit: int = MAX_TEXT_CHARS) -> str:
-        return _bounded_text(self._get(key, (str,), _REQUIRED if default is None else default), limit,
-                             f"{self.what}: field {key!r}")
+        return self.text(self._get(key, (str,), _REQUIRED if default is None else default), limit,
+                         f"{self.what}: field {key!r}")
 
     def int(self, key: str, default: Any = None) -> int:
         value = self._get(key, (int,), _REQUIRED if default is None else default)
@@ -273,7 +281,7 @@ class _Fields:
         for i, name in enumerate(self.list(key, [], limit=MAX_NAMES)):
             if not isinstance(name, str):
                 raise SpoolError("invalid", f"{self.what}: {key}[{i}] is not a string")
-            out.append(_bounded_text(name, MAX_TEXT_CHARS, f"{self.what}: {key}[{i}]"))
+            out.append(self.text(name, MAX_TEXT_CHARS, f"{self.what}: {key}[{i}]"))
         return tuple(out)
 
 
@@ -281,6 +289,13 @@ def _bounded_text(value: str, limit: int, what: str) -> str:
     if len(value) > limit:
         raise SpoolError(LIMIT_TEXT, f"{what} is {len(value)} characters long, over the bound of {limit}")
     return value
+
+
+def _repaired(value: str, what: str, problems: list[tuple[str, str]]) -> str:
+    if safetext.is_valid(value):
+        return value
+    problems.append((TEXT_REPAIRED, f"{what} is not valid UTF-8; its undecodable characters are shown as U+FFFD"))
+    return safetext.repair(value)
 
 
 _REQUIRED = object()
@@ -336,7 +351,7 @@ def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
     if total > MAX_MANIFEST_MEMBERS:
         raise SpoolError(LIMIT_MEMBERS, f"{what}: its process groups list {total} members in all, over the "
                                         f"bound of {MAX_MANIFEST_MEMBERS}")
-    pgs = [_parse_pg(raw, f"{what}: process_groups[{i}]") for i, raw in enumerate(raw_pgs)]
+    pgs = [_parse_pg(raw, f"{what}: process_groups[{i}]", f.problems) for i, raw in enumerate(raw_pgs)]
     rank = f.int("rank")
     if rank < 0:
         raise SpoolError("invalid", f"{what}: rank must be >= 0")
@@ -363,12 +378,12 @@ def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
         generation=f.int("generation", 0),
         state=state,
         launcher=launcher,
-        launcher_problems=launcher_problems,
+        problems=launcher_problems + tuple(f.problems),  # last: the fields above add their repairs
     )
 
 
-def _parse_pg(raw: Any, what: str) -> PGEntry:
-    p = _Fields(raw, what)
+def _parse_pg(raw: Any, what: str, problems: list[tuple[str, str]]) -> PGEntry:
+    p = _Fields(raw, what, problems)
     ranks = p.list("ranks")
     # type() rather than isinstance(): bool is an int subclass, and rank true is no rank.
     if not set(map(type, ranks)) <= {int}:
@@ -380,7 +395,7 @@ def _parse_pg(raw: Any, what: str) -> PGEntry:
     local_ids = {}
     for k, v in p.dict("local_ids", {}, limit=MAX_NAMES).items():
         if isinstance(v, int) and not isinstance(v, bool):
-            local_ids[_bounded_text(k, MAX_TEXT_CHARS, f"{what}.local_ids key")] = v
+            local_ids[p.text(k, MAX_TEXT_CHARS, f"{what}.local_ids key")] = v
     raw_timeout = p.obj.get("timeout_seconds")
     timeout = _finite(raw_timeout) if isinstance(raw_timeout, (int, float)) else None
     return PGEntry(
@@ -422,17 +437,17 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
     f = _Fields(obj, what)
     status = {}
     for recorder, raw in f.dict("status", {}, limit=MAX_RECORDERS).items():
-        _bounded_text(recorder, MAX_TEXT_CHARS, f"{what}: recorder name")
+        recorder = f.text(recorder, MAX_TEXT_CHARS, f"{what}: recorder name")
         if mapped:  # torch's whole answer; its pg_status is what we use
             raw = _Fields(raw, f"{what}: status.{recorder}").dict("pg_status", {})
         status[recorder] = parse_pg_status(raw, f"{what}: status.{recorder}")
     errors = {}
     for kind, count in f.dict("errors", {}, limit=MAX_ERROR_KINDS).items():
         # A label value: cutting it could merge two kinds.
-        _bounded_text(kind, MAX_ERROR_KIND_CHARS, f"{what}: error kind")
+        kind = f.text(kind, MAX_ERROR_KIND_CHARS, f"{what}: error kind")
         if isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= INT_MAX:
             errors[kind] = count
-    problems: list[tuple[str, str]] = []
+    problems = f.problems
     cpu = obj.get("cpu")
     if cpu is not None:
         cpu = _finite(cpu) if not isinstance(cpu, bool | str) else None
