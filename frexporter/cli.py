@@ -9,8 +9,9 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
-from frexporter import __version__, defaults, extras, spool
+from frexporter import __version__, defaults, extras, safetext, spool
 from frexporter import naming as n
 from frexporter.sources import SOURCES
 
@@ -183,11 +184,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class EscapingFormatter(logging.Formatter):
+    """Log lines that text from a rank cannot break or forge.
+
+    A message holds job ids, host names, PG descriptions and paths, all untrusted: a newline in one would start
+    a line of its own (a forged ``CRITICAL`` line), an ESC sequence would drive the reader's terminal. The
+    message is escaped whole (``safetext.printable``); a traceback keeps its lines but each is indented, so
+    that every line starting at the left margin is one this formatter began.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = safetext.printable(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _indented(super().formatStack(stack_info))
+
+
+def _indented(text: str) -> str:
+    return "\n".join("    " + safetext.printable(line) for line in text.split("\n"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[handler])
     if args.command == "serve":
         return _serve(args)
     if args.command == "run":
