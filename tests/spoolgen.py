@@ -11,6 +11,11 @@ from typing import Any
 from frexporter import spool
 
 
+def own_socket(job_id: str, rank: int) -> str:
+    """The socket file name the recorder gives rank ``rank`` of ``job_id`` (the exporter uses no other)."""
+    return spool.socket_name(spool.rank_stem(job_id, rank))
+
+
 def manifest(job_id: str, rank: int, pgs: int = 1, world: int = 8, socket: str = "", pid: int | None = None,
              **extra: Any) -> dict[str, Any]:
     groups = [{"name": "0", "desc": "default_pg", "ranks": list(range(world)), "backend": "cpu:gloo",

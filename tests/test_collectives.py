@@ -249,7 +249,7 @@ class Node:
 
     def start_rank(self, r: int) -> None:
         stem = spool.rank_stem("job", r)
-        sock = stem + spool.SOCKET_SUFFIX
+        sock = spool.socket_name(stem)
         m = spoolgen.manifest("job", r, world=len(self.rings), socket=sock, pid=self.pids[r])
         spool.write_json_atomic(str(self.dir / (stem + spool.MANIFEST_SUFFIX)), m)
         self.workers.append(FakeWorker(str(self.dir / sock), lambda r=r: self.dump(r)))  # type: ignore[misc]
@@ -327,7 +327,7 @@ def test_restarted_rank_is_a_new_track_and_the_node_counter_stays_monotonic(node
     # Rank 1 restarts: new pid, its recorder's ids start again at 0.
     node.pids[1] += 1
     node.workers.pop().close()
-    (node.dir / (spool.rank_stem("job", 1) + spool.SOCKET_SUFFIX)).unlink()
+    (node.dir / spool.socket_name(spool.rank_stem("job", 1))).unlink()
     node.start_rank(1)
     node.rings[1] = [raw(0, 1), raw(1, 2)]
     after = node.poll().collectives[0].bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import selectors
 import shutil
 import signal
 import socket
@@ -39,7 +40,6 @@ from tests import spoolgen
 from tests.harness import REPO, free_port, metrics, sample, wait_for
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-DEAD_SOCKET = "dead" + spool.SOCKET_SUFFIX
 DROPS = (evidence.REASON_QUEUE_FULL, evidence.REASON_RATE_LIMITED, evidence.REASON_RANK_REPEAT)
 # The name an exporter before this fix gave a lone rank_down bundle of rank 0 of job "job": predictable.
 OLD_NAME = "{ts}-rank_down-job---1"
@@ -96,18 +96,21 @@ class Serve:
                 if any(f" {name}: " in line for name in loggers)]
 
 
-def dead_socket(spool_dir: Path) -> None:
-    """A socket file nobody listens on: what a killed rank leaves behind (connections are refused)."""
-    path = spool_dir / DEAD_SOCKET
+def dead_socket(spool_dir: Path, rank: int) -> str:
+    """Rank ``rank``'s socket file with nobody listening: what a killed rank leaves behind (connections are
+    refused). Returns its name."""
+    name = spoolgen.own_socket("job", rank)
+    os.makedirs(spool_dir, exist_ok=True)
+    path = spool_dir / name
     if not path.exists():
         with socket.socket(socket.AF_UNIX) as s:
             s.bind(str(path))
         os.chmod(path, spool.SOCKET_MODE)
+    return name
 
 
 def killed_rank(spool_dir: Path, rank: int = 0, **kw: Any) -> None:
-    spoolgen.write_rank(spool_dir, "job", rank, socket=DEAD_SOCKET, **kw)
-    dead_socket(spool_dir)
+    spoolgen.write_rank(spool_dir, "job", rank, socket=dead_socket(spool_dir, rank), **kw)
 
 
 def tree(root: Path) -> dict[str, tuple[int, int, bytes | str | None]]:
@@ -324,8 +327,7 @@ def test_a_flood_of_stale_fake_ranks_is_bounded(tmp_path: Path) -> None:
     ranks = min(fakes, spool.MAX_RANKS_PER_NODE)
     spool_dir = tmp_path / "spool"
     for rank in range(fakes):
-        spoolgen.write_rank(spool_dir, "job", rank, socket=DEAD_SOCKET)
-    dead_socket(spool_dir)
+        spoolgen.write_rank(spool_dir, "job", rank, socket=dead_socket(spool_dir, rank))
     ev = spool_dir / spool.EVIDENCE_DIRNAME
 
     def accounted() -> tuple[float, float] | None:
@@ -346,14 +348,18 @@ def test_a_flood_of_stale_fake_ranks_is_bounded(tmp_path: Path) -> None:
 
 
 class SilentRank:
-    """One socket for many fake ranks: answers ping, holds every Flight Recorder read unanswered, counts them."""
+    """The sockets of many fake ranks (each its own, as the recorder makes them): answers ping, holds every
+    Flight Recorder read unanswered, counts them."""
 
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.bind(str(path))
-        os.chmod(path, spool.SOCKET_MODE)
-        self.sock.listen(256)
-        self.sock.settimeout(0.2)
+    def __init__(self, spool_dir: Path, job_id: str, ranks: int) -> None:
+        self.socks = []
+        for rank in range(ranks):
+            path = spool_dir / spoolgen.own_socket(job_id, rank)
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(str(path))
+            os.chmod(path, spool.SOCKET_MODE)
+            sock.listen(16)
+            self.socks.append(sock)
         self.held: list[socket.socket] = []
         self.reads = 0
         self.stopped = threading.Event()
@@ -361,35 +367,43 @@ class SilentRank:
         self.thread.start()
 
     def _serve(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            conn.settimeout(2)
-            data = b""
-            try:
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(4096)
-                    if not chunk:
-                        break
-                    data += chunk
-            except OSError:
-                conn.close()
-                continue
-            if b"/handler/ping" in data.split(b"\r\n", 1)[0]:
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\npong")
-                conn.close()
-            else:
-                self.reads += 1
-                self.held.append(conn)
+        with selectors.DefaultSelector() as selector:
+            for sock in self.socks:
+                selector.register(sock, selectors.EVENT_READ)
+            while not self.stopped.is_set():
+                for key, _ in selector.select(timeout=0.2):
+                    self._answer(key.fileobj)  # type: ignore[arg-type]
+
+    def _answer(self, listener: socket.socket) -> None:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, TimeoutError):
+            return
+        conn.settimeout(2)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError:
+            conn.close()
+            return
+        if b"/handler/ping" in data.split(b"\r\n", 1)[0]:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\npong")
+            conn.close()
+        else:
+            self.reads += 1
+            self.held.append(conn)
 
     def close(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=10)
         for conn in self.held:
             conn.close()
-        self.sock.close()
+        for sock in self.socks:
+            sock.close()
 
 
 def test_captures_of_silent_ranks_are_queued_at_most_eight_and_do_not_hold_shutdown(tmp_path: Path) -> None:
@@ -399,11 +413,11 @@ def test_captures_of_silent_ranks_are_queued_at_most_eight_and_do_not_hold_shutd
     ranks = 40
     spool_dir = tmp_path / "spool"
     spool_dir.mkdir(mode=0o700)
-    silent = SilentRank(spool_dir / ("silent" + spool.SOCKET_SUFFIX))
+    silent = SilentRank(spool_dir, "job", ranks)
     try:
         for rank in range(ranks):
             # No recorders: the exporter's routine deep reads leave the rank alone, so every read is a capture.
-            spoolgen.write_rank(spool_dir, "job", rank, socket="silent" + spool.SOCKET_SUFFIX, recorders=[])
+            spoolgen.write_rank(spool_dir, "job", rank, socket=spoolgen.own_socket("job", rank), recorders=[])
         with Serve(spool_dir, "--stuck-after", "1") as serve:  # a wedged rank is a verdict after --stuck-after
             wait_for(lambda: serve.evidence_errors().get(evidence.REASON_QUEUE_FULL, 0) >= ranks - MAX_PENDING_CAPTURES,
                      timeout=60, what="the verdicts beyond the queue counted")
@@ -494,10 +508,10 @@ def test_one_capture_reads_sockets_for_at_most_its_deadline(tmp_path: Path) -> N
 
     spool_dir = tmp_path / "spool"
     spool_dir.mkdir(mode=0o700)
-    silent = SilentRank(spool_dir / ("silent" + spool.SOCKET_SUFFIX))
+    silent = SilentRank(spool_dir, "job", 8)
     try:
         for rank in range(8):
-            spoolgen.write_rank(spool_dir, "job", rank, socket="silent" + spool.SOCKET_SUFFIX, recorders=[])
+            spoolgen.write_rank(spool_dir, "job", rank, socket=spoolgen.own_socket("job", rank), recorders=[])
         source = RanksSource(RanksConfig(directory=str(spool_dir)))
         ranks = source.read_ranks()
         source.close()

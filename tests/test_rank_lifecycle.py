@@ -92,7 +92,7 @@ def test_rank_between_its_manifest_and_first_snapshot_is_starting_not_wedged(tmp
     # The recorder writes a rank's manifest, then its first snapshot, in one tick; an exporter that polls in
     # between finds a live worker socket and no heartbeat. That is a rank starting, not a wedged Python.
     tmp_path.chmod(0o700)
-    sock = tmp_path / "job-r0.sock"
+    sock = tmp_path / spool.socket_name("job-r0")
     server = subprocess.Popen(
         [sys.executable, "-c", "import sys; from frexporter.recorder import fr; s = fr.start_worker_server("
          "sys.argv[1]); print('up', flush=True); sys.stdin.read()", str(sock)],

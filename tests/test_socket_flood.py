@@ -200,14 +200,15 @@ def spool_with_flooded_rank(directory: Path, mode: str) -> Iterator[list[int]]:
     """Yields a list that holds, once the block is done, how many flood connections got through."""
     servers: list[UnixServer] = []
     for rank in HEALTHY:
-        name = f"h{rank}.sock"
+        name = spoolgen.own_socket("job", rank)
         spoolgen.write_rank(directory, "job", rank, socket=name)
         servers.append(HealthyWorker(str(directory / name)))
-    stem = spoolgen.write_rank(directory, "job", FLOODED, socket="flooded.sock")
+    flooded = spoolgen.own_socket("job", FLOODED)
+    stem = spoolgen.write_rank(directory, "job", FLOODED, socket=flooded)
     # A heartbeat from long ago: the rank looks wedged, so every poll goes to its socket.
     spool.write_json_atomic(str(directory / (stem + spool.SNAPSHOT_SUFFIX)),
                             spoolgen.snapshot(100000 + FLOODED, seq=FIRST_SEQ, when=1.0))
-    flood = subprocess.Popen([sys.executable, "-c", FLOOD_PROCESS, str(directory / "flooded.sock"), mode,
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD_PROCESS, str(directory / flooded), mode,
                               str(FLOOD_CLIENTS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert flood.stdin is not None and flood.stdout is not None
     connects: list[int] = []

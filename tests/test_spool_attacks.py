@@ -246,10 +246,13 @@ def nothing_connected(sock: socket.socket) -> bool:
     return False
 
 
+S0, S1 = spoolgen.own_socket("job", 0), spoolgen.own_socket("job", 1)
+
+
 def spool_with_socket_ranks(d: Path) -> None:
     """Rank 0 fresh with work to read (a deep read is due at once), rank 1 stale (a ping is due)."""
-    spoolgen.write_rank(d, "job", 0, socket="s0.sock")
-    stem = spoolgen.write_rank(d, "job", 1, socket="s1.sock")
+    spoolgen.write_rank(d, "job", 0, socket=S0)
+    stem = spoolgen.write_rank(d, "job", 1, socket=S1)
     spool.write_json_atomic(str(d / (stem + spool.SNAPSHOT_SUFFIX)), spoolgen.snapshot(100001, when=1.0))
 
 
@@ -257,8 +260,8 @@ def test_socket_linked_to_another_socket_gets_no_connection(tmp_path: Path) -> N
     d = private_spool(tmp_path)
     spool_with_socket_ranks(d)
     with listening(tmp_path / "victim.sock") as victim:
-        os.symlink(tmp_path / "victim.sock", d / "s0.sock")
-        os.symlink(tmp_path / "victim.sock", d / "s1.sock")
+        os.symlink(tmp_path / "victim.sock", d / S0)
+        os.symlink(tmp_path / "victim.sock", d / S1)
         exporter, source = make_exporter(d)
         try:
             for _ in range(5):
@@ -274,8 +277,8 @@ def test_socket_linked_to_another_socket_gets_no_connection(tmp_path: Path) -> N
 def test_socket_of_another_user_is_refused(tmp_path: Path) -> None:
     d = private_spool(tmp_path)
     spool_with_socket_ranks(d)
-    with listening(d / "s0.sock") as s0, listening(d / "s1.sock") as s1:
-        for name in ("s0.sock", "s1.sock"):
+    with listening(d / S0) as s0, listening(d / S1) as s1:
+        for name in (S0, S1):
             os.chown(d / name, OTHER_UID, OTHER_UID)
         exporter, source = make_exporter(d)
         try:
@@ -320,19 +323,19 @@ def test_socket_swapped_after_the_check_is_caught_by_peer_credentials(tmp_path: 
     victim = subprocess.Popen([python, "-c", VICTIM, str(victim_path)], user=OTHER_UID, cwd="/",
                               stdout=subprocess.PIPE, text=True)
     d = private_spool(tmp_path)
-    spoolgen.write_rank(d, "job", 0, socket="s0.sock")
+    spoolgen.write_rank(d, "job", 0, socket=S0)
     try:
         assert victim.stdout is not None and victim.stdout.readline().strip() == "listening"
-        with listening(d / "s0.sock") as real:
+        with listening(d / S0) as real:
             real_lstat = os.lstat
             swapped: list[str] = []
 
             def racing_lstat(path: Any, *args: Any, **kw: Any) -> os.stat_result:
                 result = real_lstat(path, *args, **kw)
-                if not swapped and os.fspath(path) == str(d / "s0.sock"):
+                if not swapped and os.fspath(path) == str(d / S0):
                     os.symlink(victim_path, d / ".planted")
-                    os.replace(d / ".planted", d / "s0.sock")
-                    swapped.append("s0.sock")
+                    os.replace(d / ".planted", d / S0)
+                    swapped.append(S0)
                 return result
 
             exporter, source = make_exporter(d)
@@ -393,7 +396,7 @@ def test_junk_flood_is_counted_exactly_with_a_bounded_log(tmp_path: Path, caplog
 def test_state_of_vanished_names_is_dropped(tmp_path: Path) -> None:
     d = private_spool(tmp_path)
     spoolgen.write_rank(d, "job", 0)
-    stem = spoolgen.write_rank(d, "job", 1, socket="gone.sock")  # stale, its socket missing: a logged failure
+    stem = spoolgen.write_rank(d, "job", 1, socket=S1)  # stale, its socket missing: a logged failure
     spool.write_json_atomic(str(d / (stem + spool.SNAPSHOT_SUFFIX)), spoolgen.snapshot(100001, when=1.0))
     planted = [d / f"junk-{i}" for i in range(50)] + [d / f"bad.r{i}{spool.MANIFEST_SUFFIX}" for i in range(50)]
     for path in planted:
@@ -522,7 +525,8 @@ def test_strict_serve_stops_reading_a_spool_opened_up_and_resumes_when_fixed(tmp
 def test_manifest_naming_something_else_as_its_socket_gets_no_connection(tmp_path: Path) -> None:
     d = private_spool(tmp_path)
     spool_with_socket_ranks(d)
-    # Rank 0's manifest names the spool's parent directory, rank 1's another rank's manifest.
+    # Rank 0's manifest names the spool's parent directory, rank 1's another rank's manifest: neither is the
+    # socket the recorder makes for its stem, so neither is connected to.
     spool.write_json_atomic(str(d / ("job.r0" + spool.MANIFEST_SUFFIX)), spoolgen.manifest("job", 0, socket=".."))
     spool.write_json_atomic(str(d / ("job.r1" + spool.MANIFEST_SUFFIX)),
                             spoolgen.manifest("job", 1, socket="job.r0" + spool.MANIFEST_SUFFIX))
@@ -532,8 +536,24 @@ def test_manifest_naming_something_else_as_its_socket_gets_no_connection(tmp_pat
             exporter.poll_once()
     finally:
         source.close()
-    assert errors_of(exporter) == {"socket_untrusted": 2}
-    assert [(r.rank, r.socket_alive) for r in exporter.snapshot.ranks] == [(0, False), (1, False)]
+    assert errors_of(exporter) == {"socket_mismatch": 2}
+    assert [(r.rank, r.socket) for r in exporter.snapshot.ranks] == [(0, ""), (1, "")]
+
+
+def test_manifest_naming_another_ranks_socket_is_not_shown_with_its_state(tmp_path: Path) -> None:
+    """Rank 1's manifest names rank 0's (live, answering) socket: its pings and FR entries would be rank 0's."""
+    d = private_spool(tmp_path)
+    spool_with_socket_ranks(d)
+    spool.write_json_atomic(str(d / ("job.r1" + spool.MANIFEST_SUFFIX)), spoolgen.manifest("job", 1, socket=S0))
+    with listening(d / S0):
+        exporter, source = make_exporter(d)
+        try:
+            for _ in range(4):
+                exporter.poll_once()
+        finally:
+            source.close()
+    assert errors_of(exporter).get("socket_mismatch") == 1
+    assert [(r.rank, r.socket) for r in exporter.snapshot.ranks] == [(0, S0), (1, "")]
 
 
 @as_root

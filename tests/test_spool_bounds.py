@@ -263,7 +263,7 @@ def test_a_snapshot_past_a_bound_is_counted_and_the_others_served(tmp_path: Path
 
 
 def test_a_deep_read_past_the_entry_bound_is_refused_and_counted(tmp_path: Path) -> None:
-    sock = "s-bounds.sock"
+    sock = spoolgen.own_socket("job", 1)
     spoolgen.write_rank(tmp_path, "job", 0)
     spoolgen.write_rank(tmp_path, "job", 1, socket=sock)
     worker = FakeWorker(str(tmp_path / sock), lambda: {"version": "2.10", "pg_status": {},

@@ -365,6 +365,18 @@ class RanksSource:
         self.errors.append((err.reason, str(err)))
         self._throttle.warning(err.reason, "%s (reason=%s)", err, err.reason)
 
+    def _own_socket(self, manifest: Manifest, stem: str, path: str) -> Manifest:
+        """``manifest`` as used: the socket it names must be the one the recorder makes for this file's stem,
+        or another rank's socket (its pings, FR entries and stacks) would be shown as this rank's."""
+        own = spool.socket_name(stem)
+        if not manifest.socket or manifest.socket == own:
+            return manifest
+        reason = "socket_mismatch"
+        message = f"{path}: names the socket {manifest.socket[:64]!r}, not its own {own}; its socket is not used"
+        self.errors.append((reason, message))
+        self._throttle.warning(reason, "%s (reason=%s)", message, reason)
+        return replace(manifest, socket="")
+
     def _load_manifests(self, dfd: int, entries: dict[str, os.DirEntry]) -> None:
         seen_stems = set()
         for name, entry in entries.items():
@@ -414,6 +426,7 @@ class RanksSource:
             for reason, message in manifest.problems:  # dropped or repaired fields; the rest of the rank stands
                 self.errors.append((reason, message))
                 self._throttle.warning(reason, "%s (reason=%s)", message, reason)
+            manifest = self._own_socket(manifest, stem, path)
             if track is None or track.manifest.pid != manifest.pid or track.manifest.start_time != manifest.start_time:
                 if track is not None:
                     self._throttle.log(logging.INFO, "restarted", "rank %d of job %s restarted (pid %d -> %d); "
