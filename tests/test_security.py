@@ -285,7 +285,7 @@ def test_basic_auth_unit() -> None:
     ("tls_server_config: [\n", "not valid YAML"),
     ("- a\n- b\n", "the top level must be a mapping, got list"),
     ("tls_server_confg:\n  cert_file: x\n", "unknown key 'tls_server_confg' (known in the top level: "
-                                            "tls_server_config, basic_auth_users, http_server_config)"),
+                                            "tls_server_config, basic_auth_users, http_server_config, rate_limit)"),
     ("tls_server_config:\n  cert_file: server.crt\n", "tls_server_config.key_file is required"),
     ("tls_server_config:\n  key_file: server.key\n", "tls_server_config.cert_file is required"),
     ("tls_server_config:\n  cert_file: missing.crt\n  key_file: server.key\n",

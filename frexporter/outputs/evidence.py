@@ -121,7 +121,7 @@ class LogLimiter:
         self._lock = threading.Lock()
         self._windows: dict[str, list[float]] = {}  # key -> [window start (monotonic), emitted, suppressed]
 
-    def log(self, level: int, key: str, msg: str, *args: object) -> None:
+    def log(self, level: int, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
         now = time.monotonic()
         with self._lock:
             window = self._windows.get(key)
@@ -133,7 +133,7 @@ class LogLimiter:
             emit = window[1] < self.burst
             window[1 if emit else 2] += 1
         if emit:
-            self.logger.log(level, msg, *args)
+            self.logger.log(level, msg, *args, exc_info=exc_info)
 
     def flush(self, force: bool = False) -> None:
         """Sum up the windows that are over (every window with ``force``)."""

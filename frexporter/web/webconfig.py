@@ -5,23 +5,28 @@
 Prometheus side (``scheme: https``, ``tls_config``, ``basic_auth``) is configured as for any exporter::
 
     tls_server_config:
-      cert_file: server.crt            # relative paths are relative to this file
-      key_file: server.key
+      cert_file: server.crt            # relative paths are relative to this file; or inline PEM in `cert`
+      key_file: server.key             # or inline PEM in `key`
       client_auth_type: RequireAndVerifyClientCert
-      client_ca_file: ca.crt
+      client_ca_file: ca.crt           # or inline PEM in `client_ca`
       min_version: TLS12
     basic_auth_users:
       prometheus: $2y$10$...           # bcrypt hash, e.g. `htpasswd -nBC 10 "" | tr -d ':\\n'`
     http_server_config:
       headers:
         Strict-Transport-Security: max-age=31536000
+    rate_limit:                        # a token bucket over every request; over it: 429
+      interval: 100ms                  # one request per interval on average (0 turns it off)
+      burst: 20
 
 Everything is validated when the file is loaded; a :class:`WebConfigError` names the key at fault.
 Differences from exporter-toolkit, each refused with a message rather than silently ignored:
-``cipher_suites`` and ``curve_preferences`` (Go names; OpenSSL's defaults apply), and the client auth
-types that ask for a certificate without verifying it (Python's ``ssl`` always verifies what it asks for).
-Certificate and key files are reloaded when they change on disk (cert-manager rotation); the users
-are read once at start-up.
+``cipher_suites`` and ``curve_preferences`` (Go names; OpenSSL's defaults apply), the client auth
+types that ask for a certificate without verifying it (Python's ``ssl`` always verifies what it asks for),
+``min_version``/``max_version`` TLS10 and TLS11 (OpenSSL 3 refuses those handshakes at its default security
+level, so the setting could not be honoured), and a ``rate_limit`` burst of 0 (Go refuses every request then).
+Certificate and key files are reloaded when they change on disk (cert-manager rotation); inline PEM
+(``cert``, ``key``, ``client_ca``) and the users are read once at start-up.
 
 The file is YAML (PyYAML, ``pip install 'frexporter[auth]'``); without PyYAML a JSON file is accepted.
 Basic auth needs ``bcrypt`` (the same extra).
@@ -41,8 +46,10 @@ import os
 import re
 import secrets
 import ssl
+import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,13 +71,32 @@ CLIENT_AUTH_TYPES: Mapping[str, ssl.VerifyMode] = {
     VERIFY_IF_GIVEN: ssl.CERT_OPTIONAL,
     REQUIRE_AND_VERIFY: ssl.CERT_REQUIRED,
 }
-# exporter-toolkit's allow-list: response headers a config may set.
-ALLOWED_HEADERS = ("Strict-Transport-Security", "X-Content-Type-Options", "X-Frame-Options", "X-XSS-Protection",
-                   "Content-Security-Policy")
+# TLS 1.0 and 1.1 (deprecated by RFC 8996): OpenSSL 3 at its default security level fails their handshakes
+# even with the context's minimum set to them, so accepting them would be a setting that is silently not honoured.
+UNSUPPORTED_TLS_VERSIONS = ("TLS10", "TLS11")
+# exporter-toolkit's allow-list: response headers a config may set, with the only values some of them may take
+# (an empty tuple: any value). Anything else (Content-Type, WWW-Authenticate, Set-Cookie...) is refused.
+HEADER_VALUES: Mapping[str, tuple[str, ...]] = {
+    "Strict-Transport-Security": (),
+    "X-Content-Type-Options": ("nosniff",),
+    "X-Frame-Options": ("deny", "sameorigin"),
+    "X-XSS-Protection": (),
+    "Content-Security-Policy": (),
+}
+ALLOWED_HEADERS = tuple(HEADER_VALUES)
+MAX_HEADER_VALUE = 8192
+# Visible ASCII, space and tab (RFC 9110 field-value, less obs-text): no CR/LF to split the response, no NUL or
+# other controls, nothing http.server could not encode.
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
+# Go's time.ParseDuration, which exporter-toolkit's rate_limit.interval goes through: "1s", "1m30s", "250ms".
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
-_TOP_KEYS = ("tls_server_config", "basic_auth_users", "http_server_config")
-_TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "client_allowed_sans", "min_version",
-             "max_version", "cipher_suites", "curve_preferences", "prefer_server_cipher_suites")
+_TOP_KEYS = ("tls_server_config", "basic_auth_users", "http_server_config", "rate_limit")
+_TLS_KEYS = ("cert", "key", "client_ca", "cert_file", "key_file", "client_auth_type", "client_ca_file",
+             "client_allowed_sans", "min_version", "max_version", "cipher_suites", "curve_preferences",
+             "prefer_server_cipher_suites")
+_RATE_KEYS = ("interval", "burst")
 _HTTP_KEYS = ("headers", "http2")
 _BCRYPT = re.compile(r"^\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}$")
 _HASH_HINT = "generate one with: htpasswd -nBC 10 \"\" | tr -d ':\\n'"
@@ -85,37 +111,55 @@ class WebConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TLSServerConfig:
-    cert_file: str
-    key_file: str
+    cert_file: str = ""
+    key_file: str = ""
     client_auth_type: str = NO_CLIENT_CERT
     client_ca_file: str = ""
     client_allowed_sans: tuple[str, ...] = ()
     min_version: str = "TLS12"
     max_version: str = "TLS13"
+    # Inline PEM, exporter-toolkit's alternative to each file; the key is a secret, kept out of repr and logs.
+    cert: str = field(default="", repr=False)
+    key: str = field(default="", repr=False)
+    client_ca: str = field(default="", repr=False)
 
     @property
     def authenticates_clients(self) -> bool:
         """Only a required, verified certificate identifies every client."""
         return self.client_auth_type == REQUIRE_AND_VERIFY
 
+    @property
+    def has_client_ca(self) -> bool:
+        return bool(self.client_ca_file or self.client_ca)
+
     def build_context(self) -> ssl.SSLContext:
         """A server context from the files as they are now; raises WebConfigError naming the file."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = TLS_VERSIONS[self.min_version]
-        ctx.maximum_version = TLS_VERSIONS[self.max_version]
-        try:
-            ctx.load_cert_chain(self.cert_file, self.key_file)
-        except (OSError, ssl.SSLError) as e:
-            raise WebConfigError(f"tls_server_config: cannot load cert_file {self.cert_file} with key_file "
-                                 f"{self.key_file}: {_reason(e)}") from e
+        _set_versions(ctx, self.min_version, self.max_version)
+        self._load_cert_chain(ctx)
         ctx.verify_mode = CLIENT_AUTH_TYPES[self.client_auth_type]
-        if self.client_ca_file:
+        if self.has_client_ca:
+            where = "inline client_ca" if self.client_ca else f"client_ca_file {self.client_ca_file}"
             try:
-                ctx.load_verify_locations(cafile=self.client_ca_file)
-            except (OSError, ssl.SSLError) as e:
-                raise WebConfigError(f"tls_server_config: cannot load client_ca_file {self.client_ca_file}: "
-                                     f"{_reason(e)}") from e
+                # Inline CA certificates need no file: OpenSSL reads them from memory (cadata).
+                if self.client_ca:
+                    ctx.load_verify_locations(cadata=self.client_ca)
+                else:
+                    ctx.load_verify_locations(cafile=self.client_ca_file)
+            except (OSError, ssl.SSLError, ValueError) as e:
+                raise WebConfigError(f"tls_server_config: cannot load {where}: {_reason(e)}") from e
         return ctx
+
+    def _load_cert_chain(self, ctx: ssl.SSLContext) -> None:
+        where = (f"{'inline cert' if self.cert else f'cert_file {self.cert_file}'} with "
+                 f"{'inline key' if self.key else f'key_file {self.key_file}'}")
+        try:
+            # load_cert_chain reads files only: inline PEM goes through a private file that is gone once loaded.
+            with _pem_file(self.cert) as cert_path, _pem_file(self.key) as key_path:
+                # A password callback: an encrypted key fails to load instead of OpenSSL prompting on a terminal.
+                ctx.load_cert_chain(cert_path or self.cert_file, key_path or self.key_file, password=_no_password)
+        except (OSError, ssl.SSLError) as e:
+            raise WebConfigError(f"tls_server_config: cannot load {where}: {_reason(e)}") from e
 
     def peer_allowed(self, peer_cert: Mapping[str, Any] | None) -> bool:
         """``client_allowed_sans``: the verified client certificate must carry one of these SANs."""
@@ -127,12 +171,60 @@ class TLSServerConfig:
         return any(san in sans for san in self.client_allowed_sans)
 
 
+def _set_versions(ctx: ssl.SSLContext, min_version: str, max_version: str) -> None:
+    wanted = TLS_VERSIONS[min_version], TLS_VERSIONS[max_version]
+    ctx.minimum_version, ctx.maximum_version = wanted
+    # Read back: a bound the TLS library adjusted on its own would not be the one the config asked for.
+    if (ctx.minimum_version, ctx.maximum_version) != wanted:
+        raise WebConfigError(f"tls_server_config: this OpenSSL ({ssl.OPENSSL_VERSION}) cannot set TLS versions "
+                             f"{min_version} to {max_version}")
+
+
+@contextmanager
+def _pem_file(text: str) -> Iterator[str]:
+    """``text`` as a file that only this process can read, for the duration of the block; "" for no text."""
+    if not text:
+        yield ""
+        return
+    memfd_create = getattr(os, "memfd_create", None)
+    if memfd_create is not None and os.path.isdir("/proc/self/fd"):
+        # Anonymous memory: the key never reaches a file system, and nothing is left behind if the process dies.
+        fd = memfd_create("frexporter-pem", os.MFD_CLOEXEC)
+        try:
+            with open(fd, "w", encoding="utf-8", closefd=False) as f:
+                f.write(text)
+            yield f"/proc/self/fd/{fd}"
+        finally:
+            os.close(fd)
+        return
+    fd, path = tempfile.mkstemp(prefix="frexporter-", suffix=".pem")  # mode 0600, created exclusively
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        yield path
+    finally:
+        os.unlink(path)
+
+
+def _no_password() -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """exporter-toolkit's ``rate_limit``: a token bucket of ``burst`` requests, one more every ``interval`` s."""
+
+    interval: float
+    burst: int
+
+
 @dataclass(frozen=True)
 class WebConfig:
     path: str
     tls: TLSServerConfig | None = None
     basic_auth_users: Mapping[str, str] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
+    rate_limit: RateLimit | None = None
 
     @property
     def authenticates(self) -> bool:
@@ -197,7 +289,8 @@ def parse(obj: Any, base_dir: str = ".", path: str = "<web config>") -> WebConfi
         if "http2" in http and not isinstance(http["http2"], bool):
             raise WebConfigError(f"web config {path}: http_server_config.http2 must be true or false")
         headers = _parse_headers(http.get("headers"), path)
-    return WebConfig(path=path, tls=tls, basic_auth_users=users, headers=headers)
+    rate_limit = _parse_rate_limit(top.get("rate_limit"), path)
+    return WebConfig(path=path, tls=tls, basic_auth_users=users, headers=headers, rate_limit=rate_limit)
 
 
 def _mapping(obj: Any, path: str, where: str, known: tuple[str, ...]) -> dict[str, Any]:
@@ -225,6 +318,35 @@ def _parse_tls(raw: dict[str, Any], base_dir: str, path: str) -> TLSServerConfig
     if "prefer_server_cipher_suites" in raw and not isinstance(raw["prefer_server_cipher_suites"], bool):
         # Accepted for compatibility: Go itself ignores it since 1.18.
         raise WebConfigError(f"web config {path}: tls_server_config.prefer_server_cipher_suites must be a boolean")
+    files = _parse_tls_files(raw, base_dir, path)
+    inline = _parse_tls_inline(raw, files, path)
+    auth = _string(raw.get("client_auth_type") or NO_CLIENT_CERT, path, "tls_server_config.client_auth_type")
+    if auth in ("RequestClientCert", "RequireAnyClientCert"):
+        raise WebConfigError(f"web config {path}: tls_server_config.client_auth_type {auth} is not supported "
+                             f"(it accepts unverified certificates); use {VERIFY_IF_GIVEN} or {REQUIRE_AND_VERIFY}")
+    if auth not in CLIENT_AUTH_TYPES:
+        raise WebConfigError(f"web config {path}: tls_server_config.client_auth_type {auth!r} is not one of "
+                             f"{', '.join(CLIENT_AUTH_TYPES)}")
+    ca_key = "client_ca" if inline["client_ca"] else "client_ca_file"
+    if (files["client_ca_file"] or inline["client_ca"]) and auth == NO_CLIENT_CERT:
+        raise WebConfigError(f"web config {path}: tls_server_config.{ca_key} is set but client_auth_type is "
+                             f"{NO_CLIENT_CERT}; set client_auth_type: {REQUIRE_AND_VERIFY}")
+    if auth != NO_CLIENT_CERT and not (files["client_ca_file"] or inline["client_ca"]):
+        raise WebConfigError(f"web config {path}: tls_server_config.client_auth_type {auth} needs client_ca_file "
+                             "or client_ca (the CA that signs client certificates)")
+    sans_raw = raw.get("client_allowed_sans") or []
+    if not isinstance(sans_raw, list) or not all(isinstance(s, str) and s for s in sans_raw):
+        raise WebConfigError(f"web config {path}: tls_server_config.client_allowed_sans must be a list of strings")
+    if sans_raw and auth != REQUIRE_AND_VERIFY:
+        raise WebConfigError(f"web config {path}: tls_server_config.client_allowed_sans needs client_auth_type "
+                             f"{REQUIRE_AND_VERIFY}")
+    versions = _parse_tls_versions(raw, path)
+    return TLSServerConfig(cert_file=files["cert_file"], key_file=files["key_file"], client_auth_type=auth,
+                           client_ca_file=files["client_ca_file"], client_allowed_sans=tuple(sans_raw),
+                           min_version=versions["min_version"], max_version=versions["max_version"], **inline)
+
+
+def _parse_tls_files(raw: dict[str, Any], base_dir: str, path: str) -> dict[str, str]:
     files = {}
     for key in ("cert_file", "key_file", "client_ca_file"):
         value = raw.get(key)
@@ -235,41 +357,48 @@ def _parse_tls(raw: dict[str, Any], base_dir: str, path: str) -> TLSServerConfig
         if not os.path.isfile(name):
             raise WebConfigError(f"web config {path}: tls_server_config.{key}: {name} does not exist or is not a file")
         files[key] = name
-    for key in ("cert_file", "key_file"):
-        if not files[key]:
-            raise WebConfigError(f"web config {path}: tls_server_config.{key} is required")
-    auth = _string(raw.get("client_auth_type") or NO_CLIENT_CERT, path, "tls_server_config.client_auth_type")
-    if auth in ("RequestClientCert", "RequireAnyClientCert"):
-        raise WebConfigError(f"web config {path}: tls_server_config.client_auth_type {auth} is not supported "
-                             f"(it accepts unverified certificates); use {VERIFY_IF_GIVEN} or {REQUIRE_AND_VERIFY}")
-    if auth not in CLIENT_AUTH_TYPES:
-        raise WebConfigError(f"web config {path}: tls_server_config.client_auth_type {auth!r} is not one of "
-                             f"{', '.join(CLIENT_AUTH_TYPES)}")
-    if files["client_ca_file"] and auth == NO_CLIENT_CERT:
-        raise WebConfigError(f"web config {path}: tls_server_config.client_ca_file is set but client_auth_type is "
-                             f"{NO_CLIENT_CERT}; set client_auth_type: {REQUIRE_AND_VERIFY}")
-    if auth != NO_CLIENT_CERT and not files["client_ca_file"]:
-        raise WebConfigError(f"web config {path}: tls_server_config.client_auth_type {auth} needs client_ca_file "
-                             "(the CA that signs client certificates)")
-    sans_raw = raw.get("client_allowed_sans") or []
-    if not isinstance(sans_raw, list) or not all(isinstance(s, str) and s for s in sans_raw):
-        raise WebConfigError(f"web config {path}: tls_server_config.client_allowed_sans must be a list of strings")
-    if sans_raw and auth != REQUIRE_AND_VERIFY:
-        raise WebConfigError(f"web config {path}: tls_server_config.client_allowed_sans needs client_auth_type "
-                             f"{REQUIRE_AND_VERIFY}")
+    return files
+
+
+def _parse_tls_inline(raw: dict[str, Any], files: dict[str, str], path: str) -> dict[str, str]:
+    """exporter-toolkit's inline PEM: ``cert``, ``key``, ``client_ca``, each instead of its ``*_file``."""
+    inline = {}
+    for key in ("cert", "key", "client_ca"):
+        value = raw.get(key)
+        text = "" if value is None else _string(value, path, f"tls_server_config.{key}")
+        if text and files[f"{key}_file"]:
+            # exporter-toolkit would quietly use the file; which one was meant is for the operator to say.
+            raise WebConfigError(f"web config {path}: tls_server_config: set {key} or {key}_file, not both")
+        if text and "-----BEGIN " not in text:
+            # Never quoted back: for `key` that would put the secret in the logs.
+            raise WebConfigError(f"web config {path}: tls_server_config.{key} must be PEM text (-----BEGIN ...), "
+                                 f"not a file name; for a file use {key}_file")
+        inline[key] = text
+    for key in ("cert", "key"):
+        if not files[f"{key}_file"] and not inline[key]:
+            raise WebConfigError(f"web config {path}: tls_server_config.{key}_file is required (or {key}, inline PEM)")
+    return inline
+
+
+def _parse_tls_versions(raw: dict[str, Any], path: str) -> dict[str, str]:
     versions = {}
     for key, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
         value = _string(raw.get(key) or default, path, f"tls_server_config.{key}")
         if value not in TLS_VERSIONS:
             raise WebConfigError(f"web config {path}: tls_server_config.{key} {value!r} is not one of "
                                  f"{', '.join(TLS_VERSIONS)}")
+        if value in UNSUPPORTED_TLS_VERSIONS:
+            raise WebConfigError(f"web config {path}: tls_server_config.{key} {value} is not supported: TLS 1.0 and "
+                                 f"1.1 are deprecated (RFC 8996) and {ssl.OPENSSL_VERSION} refuses their handshakes "
+                                 "at its default security level; use TLS12 or TLS13")
+        if key == "min_version" and value == "TLS13" and not ssl.HAS_TLSv1_3:
+            raise WebConfigError(f"web config {path}: tls_server_config.{key} TLS13: {ssl.OPENSSL_VERSION} has no "
+                                 "TLS 1.3")
         versions[key] = value
     if TLS_VERSIONS[versions["min_version"]] > TLS_VERSIONS[versions["max_version"]]:
         raise WebConfigError(f"web config {path}: tls_server_config.min_version {versions['min_version']} is above "
                              f"max_version {versions['max_version']}")
-    return TLSServerConfig(cert_file=files["cert_file"], key_file=files["key_file"], client_auth_type=auth,
-                           client_ca_file=files["client_ca_file"], client_allowed_sans=tuple(sans_raw),
-                           min_version=versions["min_version"], max_version=versions["max_version"])
+    return versions
 
 
 def _parse_users(raw: Any, path: str) -> dict[str, str]:
@@ -312,11 +441,61 @@ def _parse_headers(raw: Any, path: str) -> dict[str, str]:
         if canonical is None:
             raise WebConfigError(f"web config {path}: http_server_config.headers: {name!r} cannot be set (allowed: "
                                  f"{', '.join(ALLOWED_HEADERS)})")
-        text = _string(value, path, f"http_server_config.headers.{name}")
-        if "\r" in text or "\n" in text:
-            raise WebConfigError(f"web config {path}: http_server_config.headers.{name} contains a line break")
-        headers[canonical] = text
+        text = _header_value(canonical, value, path)
+        if text:  # exporter-toolkit: "unset if blank"
+            headers[canonical] = text
     return headers
+
+
+def _header_value(name: str, value: Any, path: str) -> str:
+    where = f"web config {path}: http_server_config.headers.{name}"
+    # YAML reads `X-XSS-Protection: 1` as a number; Go's decoder gives the string, so does this.
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    text = _string(value, path, f"http_server_config.headers.{name}").strip(" \t")
+    if len(text) > MAX_HEADER_VALUE:
+        raise WebConfigError(f"{where} is longer than {MAX_HEADER_VALUE} characters")
+    if not _HEADER_VALUE.fullmatch(text):
+        bad = next(c for c in text if not _HEADER_VALUE.fullmatch(c))
+        what = "a line break" if bad in "\r\n" else f"the character {bad!r}"
+        raise WebConfigError(f"{where} contains {what}: only printable ASCII, spaces and tabs may be sent")
+    choices = HEADER_VALUES[name]
+    if text and choices and text not in choices:
+        raise WebConfigError(f"{where}: {text!r} is not one of {', '.join(choices)}")
+    return text
+
+
+def _parse_rate_limit(raw: Any, path: str) -> RateLimit | None:
+    """exporter-toolkit's ``rate_limit: {interval, burst}``; None when it is off (no key, or interval 0)."""
+    if raw is None:
+        return None
+    rate = _mapping(raw, path, "rate_limit", _RATE_KEYS)
+    interval = _duration(rate.get("interval", 0), path, "rate_limit.interval")
+    burst = rate.get("burst", 0)
+    if not isinstance(burst, int) or isinstance(burst, bool) or burst < 0:
+        raise WebConfigError(f"web config {path}: rate_limit.burst must be a whole number of requests, 0 or more")
+    if interval == 0:
+        return None
+    if burst == 0:
+        # Go's limiter with an empty bucket refuses every request: surely not what the file meant.
+        raise WebConfigError(f"web config {path}: rate_limit.burst 0 with interval {rate['interval']} would refuse "
+                             "every request; set burst to 1 or more (or interval: 0 to turn rate limiting off)")
+    return RateLimit(interval=interval, burst=burst)
+
+
+def _duration(value: Any, path: str, key: str) -> float:
+    """Seconds from a Go duration ("1s", "1m30s", "250ms"); a bare 0 means none."""
+    if value in (0, "0") and not isinstance(value, bool):  # Go's ParseDuration takes a bare "0" too
+        return 0.0
+    text = value if isinstance(value, str) else ""
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(number + unit for number, unit in parts) != text:
+        raise WebConfigError(f"web config {path}: {key} must be a duration such as 1s, 500ms or 1m30s, got "
+                             f"{value!r:.40}")
+    seconds = sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+    if not seconds < 86400 * 365:
+        raise WebConfigError(f"web config {path}: {key} {text} is longer than a year")
+    return seconds
 
 
 def _kind(obj: Any) -> str:
@@ -365,7 +544,7 @@ class TLSContextSource:
                 self._stamp = stamp
                 try:
                     self._context = self.config.build_context()
-                    log.info("TLS certificate files changed; reloaded %s", self.config.cert_file)
+                    log.info("TLS certificate files changed; reloaded %s", self.config.cert_file or "them")
                 except WebConfigError as e:
                     # Mid-rotation the key and the certificate may briefly disagree: keep serving the old pair.
                     log.warning("TLS certificate files changed but cannot be loaded, keeping the previous ones: %s",
