@@ -564,3 +564,21 @@ def test_through_the_rotel_collector(receiver: Receiver, pushers: list[OtlpPushe
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_a_job_id_that_was_not_utf8_is_pushed_repaired(receiver: Receiver, pushers: list[OtlpPusher],
+                                                      tmp_path: Path) -> None:
+    """A rank whose job id held a byte that was not UTF-8 (a lone surrogate in its manifest): the pushed series
+    carry the repaired job id (the SDK silently dropped the attribute, and counted the push a success)."""
+    from frexporter.sources.ranks import RanksConfig, RanksSource
+    from tests import spoolgen
+
+    spoolgen.write_rank(tmp_path, "job\udc80", 0)
+    source = RanksSource(RanksConfig(directory=str(tmp_path)))
+    try:
+        exporter = Exporter([(source, 0.0)])
+        exporter.poll_once()
+        rows = push(receiver, pushers, "http", exporter.snapshot)
+    finally:
+        source.close()
+    assert one(rows, "frexporter.rank.up", rank="0")["attrs"]["job_id"] == "job\ufffd"
