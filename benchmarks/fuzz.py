@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
-from frexporter import spool
+from frexporter import safetext, spool
 from frexporter.analysis import history
 from frexporter.analysis.verdicts import VerdictConfig, evaluate, lagging_verdict, past_mismatch_verdict
 from frexporter.fr import trace
@@ -288,6 +288,30 @@ def _json(doc: object) -> bytes:
     return json.dumps(doc).encode()
 
 
+SURROGATE = "\udc80"  # JSON's spelling of a byte that was not UTF-8
+
+
+def _surrogates(doc: Any) -> Any:
+    """``doc`` with a lone surrogate appended to every string value in it (keys are the format's own)."""
+    if isinstance(doc, str):
+        return doc + SURROGATE
+    if isinstance(doc, list):
+        return [_surrogates(v) for v in doc]
+    if isinstance(doc, dict):
+        return {k: _surrogates(v) for k, v in doc.items()}
+    return doc
+
+
+def text_seeds(doc: dict[str, Any]) -> list[bytes]:
+    """``doc``, the same with lone surrogates in its strings (and an error kind), and nesting deeper than the
+    JSON parser allows."""
+    odd = {k: (_surrogates(v) if k not in ("format", "state", "status", "pg_status") else v) for k, v in doc.items()}
+    if "errors" in odd:
+        odd["errors"] = {"kind" + SURROGATE: 1}
+    return [_json(doc), _json(odd), b"[" * 100_000 + b"]" * 100_000,
+            _json({**doc, "entries": [{}] * 2000}) if "entries" in doc else _json({**doc, "x": [[[[[]]]]]})]
+
+
 # ------------------------------------------------------------------------------------------ bounds
 #
 # Documents with one list or string at a parser's bound (``over=0``: accepted) or one past it (``over=1``:
@@ -394,6 +418,12 @@ def _check_bound(size: int, bound: int, what: str) -> None:
         raise Failure("invariant", f"{what}: {size} is past the parser's bound of {bound}")
 
 
+def _check_text(text: str, what: str) -> None:
+    """Every string a parser hands on encodes as UTF-8: one that does not fails every /metrics render."""
+    if not safetext.is_valid(text):
+        raise Failure("invariant", f"{what} holds a lone surrogate: {text!r:.60}")
+
+
 def _check_manifest(m: spool.Manifest) -> None:
     for name in ("rank", "local_rank", "world_size", "pid", "fr_buffer_size", "generation"):
         _check_int(getattr(m, name), f"manifest.{name}")
@@ -405,13 +435,15 @@ def _check_manifest(m: spool.Manifest) -> None:
     for text in (m.job_id, m.hostname, m.torch_version, m.gpu_uuid, m.socket, *m.handlers, *m.recorders,
                  *m.backends):
         _check_bound(len(text), spool.MAX_TEXT_CHARS, "manifest text")
+        _check_text(text, "manifest text")
     for names in (m.handlers, m.recorders, m.backends):
         _check_bound(len(names), spool.MAX_NAMES, "names")
     for pg in m.process_groups:
         _check_float(pg.timeout_seconds, "pg.timeout_seconds", optional=True)
         _check_bound(len(pg.ranks), spool.MAX_PG_MEMBERS, "members")
-        for text in (pg.name, pg.desc, pg.backend):
+        for text in (pg.name, pg.desc, pg.backend, *pg.local_ids):
             _check_bound(len(text), spool.MAX_TEXT_CHARS, "pg text")
+            _check_text(text, "pg text")
         previous = -1
         for r in pg.ranks:
             _check_int(r, "pg.ranks[]")
@@ -440,6 +472,9 @@ def _check_snapshot(s: spool.Snapshot) -> None:
     for reason, count in s.errors.items():
         _check_int(count, f"snapshot.errors[{reason!r}]")
         _check_bound(len(reason), spool.MAX_ERROR_KIND_CHARS, "error kind")
+        _check_text(reason, "error kind")
+    for text in (s.state, s.message, *s.status):
+        _check_text(text, "snapshot text")
     _check_bound(len(s.status), spool.MAX_RECORDERS, "recorders")
     _check_bound(len(s.errors), spool.MAX_ERROR_KINDS, "error kinds")
     _check_bound(len(s.message), spool.MAX_MESSAGE_CHARS, "message")
@@ -461,6 +496,7 @@ def _check_dump(dump: trace.FrDump) -> None:
         for text, bound in ((e.pg_name, spool.MAX_TEXT_CHARS), (e.pg_desc, spool.MAX_TEXT_CHARS),
                             (e.profiling_name, trace.MAX_OP_CHARS), (e.state, trace.MAX_WORD_CHARS)):
             _check_bound(len(text), bound, "entry text")
+            _check_text(text, "entry text")
         for items in (e.input_sizes, e.output_sizes, e.input_dtypes, e.output_dtypes):
             cost = checked.get(id(items))
             if cost is None:
@@ -470,6 +506,8 @@ def _check_dump(dump: trace.FrDump) -> None:
     for name, cfg in dump.pg_config.items():
         if not isinstance(name, str) or not all(isinstance(v, str) for v in cfg.values()):
             raise Failure("invariant", f"pg_config[{name!r:.40}] holds non-text values")
+        for text in (name, *cfg, *cfg.values()):
+            _check_text(text, "pg_config text")
     translate(dump)  # collective-domain progress is derived from these values in the exporter
 
 
@@ -579,6 +617,23 @@ def run_read_snapshot_map(data: bytes) -> None:
 def run_parse_dump(data: bytes) -> None:
     with _known_reason():
         _check_dump(trace.parse_dump(_json_or_skip(data)))
+
+
+# A rank that declares a small ring: an answer past its bounds is refused before it is parsed.
+_SMALL_RING = trace.answer_bounds(64, 8)
+
+
+def run_parse_answer(data: bytes) -> None:
+    """A worker server's answer as the exporter reads it: bytes, bounded by the declared ring, then parsed."""
+    try:
+        dump = trace.parse_answer(bytearray(data), _SMALL_RING, "fuzz")
+    except SpoolError as e:
+        if e.reason not in (*spool.LIMIT_REASONS, "bad_response", "invalid", "foreign"):
+            raise Failure("unknown reason", e.reason) from e
+        if e.__context__ is not None or e.__cause__ is not None:
+            raise Failure("invariant", "a refusal keeps the parse's exception (and its frames) alive") from e
+        return
+    _check_dump(dump)
 
 
 _REFERENCE_DUMP = trace.parse_dump(json_dump_doc())
@@ -902,9 +957,9 @@ def _bounded_json(base: Callable[[], dict[str, Any]], kind: str) -> Callable[[],
 def _targets() -> dict[str, Target]:
     targets = [
         Target("spool.parse_manifest", run_parse_manifest, (SpoolError, Skip),
-               lambda: [_json(manifest_doc())], _bounded_json(manifest_doc, "manifest")),
+               lambda: text_seeds(manifest_doc()), _bounded_json(manifest_doc, "manifest"), max_len=1 << 18),
         Target("spool.parse_snapshot", run_parse_snapshot, (SpoolError, Skip),
-               lambda: [_json(snapshot_doc())], _bounded_json(snapshot_doc, "snapshot")),
+               lambda: text_seeds(snapshot_doc()), _bounded_json(snapshot_doc, "snapshot"), max_len=1 << 18),
         Target("spool.read_json_file", run_read_json_file, (SpoolError,),
                lambda: [b"\x00\x00" + _json(snapshot_doc()), b"\x00\x01" + _json(manifest_doc())],
                lambda: _strategies().spool_file(manifest_doc(), snapshot_doc()), max_len=1 << 20),
@@ -913,7 +968,9 @@ def _targets() -> dict[str, Target]:
         Target("spool.read_snapshot_map", run_read_snapshot_map, (SpoolError,), snapshot_map_seeds,
                lambda: _strategies().binary_file(snapshot_map_seeds()), max_len=1 << 17),
         Target("trace.parse_dump", run_parse_dump, (SpoolError, Skip),
-               lambda: [_json(json_dump_doc())], _bounded_json(json_dump_doc, "dump"), max_len=65536),
+               lambda: text_seeds(json_dump_doc()), _bounded_json(json_dump_doc, "dump"), max_len=1 << 18),
+        Target("trace.parse_answer", run_parse_answer, (SpoolError,),
+               lambda: text_seeds(json_dump_doc()), _bounded_json(json_dump_doc, "dump"), max_len=1 << 18),
         Target("worker_client._parse_response", run_parse_response, (SourceError,),
                http_seeds, lambda: _strategies().http_response(http_seeds())),
         Target("worker_client._dechunk", run_dechunk, (SourceError,),
@@ -968,7 +1025,15 @@ def _webconfig_targets() -> list[Target]:
     seeds = [b"tls_server_config:\n  cert_file: a.crt\n  key_file: a.key\n  client_auth_type: "
              b"RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n  min_version: TLS12\n"
              b"basic_auth_users:\n  prometheus: $2y$10$" + b"a" * 53 + b"\nhttp_server_config:\n  headers:\n"
-             b"    X-Frame-Options: deny\n", b"{}", b""]
+             b"    X-Frame-Options: deny\n", b"{}", b"",
+             # exporter-toolkit's inline PEM, rate_limit, versions OpenSSL cannot serve, control characters.
+             b"tls_server_config:\n  cert: |\n    -----BEGIN CERTIFICATE-----\n    bm90\n"
+             b"    -----END CERTIFICATE-----\n  key: \"-----BEGIN PRIVATE KEY-----\\nx\\n-----END PRIVATE KEY-----\"\n"
+             b"  client_ca: \"-----BEGIN \"\n  client_auth_type: RequireAndVerifyClientCert\n  min_version: TLS13\n",
+             b"tls_server_config: {cert_file: a.crt, key_file: a.key, min_version: TLS10, max_version: TLS11}\n",
+             b"rate_limit:\n  interval: 1m30.5s\n  burst: 3\n", b"rate_limit: {interval: 0, burst: 0}\n",
+             b"http_server_config:\n  headers:\n    X-XSS-Protection: 1\n"
+             b"    Content-Security-Policy: \"a\\r\\n\\0\\e\"\n"]
     auth_seeds = [b"Basic " + base64.b64encode(b"prometheus:secret"), b"basic  " + base64.b64encode(b":"),
                   b"Bearer x"]
     targets = [Target("webconfig.load", run_load, (error,), lambda: seeds, lambda: _strategies().yaml_text(seeds),
