@@ -50,7 +50,7 @@ from frexporter.analysis import history
 from frexporter.analysis.verdicts import VerdictConfig, evaluate, lagging_verdict, past_mismatch_verdict
 from frexporter.fr import trace
 from frexporter.fr.domain import translate
-from frexporter.postmortem import dumpfiles, prometheus
+from frexporter.postmortem import dumpfiles, prometheus, report
 from frexporter.sources import pyspy, worker_client
 from frexporter.sources.base import SourceError
 from frexporter.spool import INT_MAX, INT_MIN, SpoolError
@@ -202,6 +202,22 @@ def prom_doc() -> dict[str, Any]:
     ]}}
 
 
+def prom_seeds() -> list[bytes]:
+    """prom_doc, and answers that reach what ``analyze --prometheus`` refuses or repairs: integer labels that
+    int() takes and no exporter writes, lone surrogates in labels (escaped and UTF-8 encoded), seqs that are no
+    whole numbers, a PG spanning a world with an absent rank, nesting deeper than the stack."""
+    base = _json(prom_doc())
+    hostile_ints = (base.replace(b'"rank": "1"', b'"rank": "\\u0663"', 1)
+                    .replace(b'"local_rank": "0"', b'"local_rank": "+0"', 1)
+                    .replace(b'"pid": "42"', b'"pid": "99999999999999999999"', 1))
+    surrogates = base.replace(b'"hostname": "node-a"', b'"hostname": "\\udc80"', 1).replace(
+        b'"job_id": "j"', b'"job_id": "j\xed\xb2\x80"', 1)
+    seqs = base.replace(b'"12"', b'"1e300"').replace(b'"11"', b'"7.5"')
+    world = base.replace(b'"world_size": "2"', b'"world_size": "3", "size": "3"')
+    deep = b'{"status": "success", "data": {"resultType": "vector", "result": ' + b"[" * 8000 + b"]" * 8000 + b"}}"
+    return [base, hostile_ints, surrogates, seqs, world, deep]
+
+
 class _Reduce:
     """Pickles as ``func(*args)``: how a hostile dump smuggles a call in."""
 
@@ -236,6 +252,9 @@ def hostile_pickles() -> list[bytes]:
         # ... each with the same 1024 shapes: 20 million tensor size values from a few kilobytes
         {**pickle_dump_doc(), "entries": [{**GLOO_ENTRY, "input_sizes": [[1]] * 1024}] * 10_000},
         {**pickle_dump_doc(), "version": 10**5000, "pg_status": {10**5000: {"last_enqueued_collective": 10**400}}},
+        # text that is not Unicode (a lone surrogate) or that would break a line or drive a terminal
+        {**pickle_dump_doc(), "entries": [{**GLOO_ENTRY, "process_group": ("0", "x\udc80\n\x1b]0;t\x07\u202e")}]},
+        {**pickle_dump_doc(), "pg_config": {"0": {"name": "0", "ranks": "[" * 5000 + "]" * 5000}}},  # nested text
     ]
     out = []
     for payload in payloads:
@@ -249,13 +268,20 @@ def hostile_pickles() -> list[bytes]:
         b"\x80\x02X\x01\x00\x00\x00xQ.",  # BINPERSID without persistent_load
         b"\x80\x02\x82\x01.",  # EXT1: the copyreg extension registry
         b"\x80\x02}q\x00(X\x01\x00\x00\x00aq\x01h\x00u.",  # a dict that contains itself
+        b"\x80\x04" + b"N" * 60_000 + b".",  # a flood of NONE opcodes: 60,000 stacked references
+        b"\x80\x04" + b"}" * 30_000 + b".",  # 30,000 dicts from a byte each
+        b"\x80\x02" + b"]" * 20_000 + b"a" * 19_999 + b".",  # lists nested 20,000 deep
     ]
     return out
 
 
 def pickle_seeds() -> list[bytes]:
     docs = [pickle_dump_doc(), json_dump_doc(), {"version": "2.4", "pg_config": {}, "entries": ()}, [], {}, 0]
-    return [pickle.dumps(d, protocol=p) for d in docs for p in range(pickle.HIGHEST_PROTOCOL + 1)] + hostile_pickles()
+    hostile_json = [b'{"version": "2.10", "entries": [' + b"[" * 20_000 + b"]" * 20_000 + b"]}",
+                    b'{"version": "2.10", "entries": [' + b"{}," * 10_000 + b"{}]}",
+                    _json({**json_dump_doc(), "entries": [{**GLOO_ENTRY, "process_group": ["0", "x\udc80\n\x1b"]}]})]
+    return ([pickle.dumps(d, protocol=p) for d in docs for p in range(pickle.HIGHEST_PROTOCOL + 1)] + hostile_pickles()
+            + hostile_json)
 
 
 def http_seeds() -> list[bytes]:
@@ -664,6 +690,29 @@ def run_safe_loads(data: bytes) -> None:
     dumpfiles.safe_loads(data)
 
 
+def evidence_doc() -> dict[str, Any]:
+    """An evidence bundle's verdict.json as the exporter writes it."""
+    verdict = {"kind": "missing_rank", "job_id": "train", "pg": "0", "pg_desc": "default_pg", "ranks": [2],
+               "waiting_ranks": [0, 1], "seq": 5, "op": "all_reduce", "since": 1.7e9, "age_seconds": 700.0,
+               "timeout_seconds": 600.0, "budget_used": 1.17, "summary": "Rank 2 never joined all_reduce #5",
+               "details": {"unobserved_ranks": [2]}, "activity": {}}
+    return {"verdict": verdict, "captured_at": 1.7e9, "bundle": {"name": "b", "mac": "00"},
+            "files": {"fr_rank0.json": {"rank": 0, "handler": "fr_trace_json", "bytes": 4096}}}
+
+
+def evidence_seeds() -> list[bytes]:
+    shapes = [b"[1]", b"7", b'"verdict"', b'{"verdict": [1]}', b'{"verdict": "stalled"}', b"[" * 20_000 + b"]" * 20_000]
+    return [_json(evidence_doc()), *shapes, b'{"verdict": {"job_id": "j\\udc80\\u001b[2J", "summary": 7}}']
+
+
+def run_parse_evidence(data: bytes) -> None:
+    recorded = report.parse_evidence(data, "fuzz")
+    texts = recorded.values()
+    if set(recorded) != {"kind", "summary", "job_id"} or not all(
+            isinstance(v, str) and safetext.is_valid(v) and len(v) <= report.MAX_SUMMARY_CHARS for v in texts):
+        raise Failure("invariant", "a recorded verdict that is not three valid texts within their bounds")
+
+
 def run_parse_response(data: bytes) -> None:
     body = worker_client._parse_response(data, "fuzz.sock", "fr_trace_json")
     if not isinstance(body, bytes) or len(body) > len(data):
@@ -700,6 +749,10 @@ def run_parse_query_response(data: bytes) -> None:
     for sample in prometheus.parse_query_response(data):
         if not isinstance(sample, dict) or not isinstance(sample.get("metric"), dict):
             raise Failure("invariant", "a sample without a metric object")
+        try:  # lone surrogates are repaired where the answer is parsed: every label encodes
+            "".join(k + v for k, v in sample["metric"].items()).encode()
+        except UnicodeEncodeError as e:
+            raise Failure("invariant", "a label that is not valid text (a lone surrogate)") from e
 
 
 def run_prom_rank_states(data: bytes) -> None:
@@ -707,6 +760,8 @@ def run_prom_rank_states(data: bytes) -> None:
     samples = prometheus.parse_query_response(data)
     with mock.patch.object(prometheus, "query", lambda *_a, **_k: samples):
         states = prometheus.rank_states("http://fuzz", None, now=1.7e9)
+    if any(not 0 <= r.rank <= spool.MAX_RANK for r in states):
+        raise Failure("invariant", "a rank that no rank label an exporter writes names")
     evaluate(states, 1.7e9, VerdictConfig(stuck_after=30.0, complete_view=True))
 
 
@@ -984,10 +1039,12 @@ def _targets() -> dict[str, Target]:
         Target("dumpfiles.decode", run_frdump_decode, (dumpfiles.DumpError, SpoolError),
                lambda: [*pickle_seeds(), _json(json_dump_doc())],
                lambda: _strategies().dump_file(json_dump_doc(), pickle_dump_doc(), pickle_seeds()), max_len=65536),
+        Target("report.parse_evidence", run_parse_evidence, (dumpfiles.DumpError,), evidence_seeds,
+               lambda: _strategies().json_doc(evidence_doc()), max_len=65536),
         Target("prometheus.parse_query_response", run_parse_query_response, (prometheus.PrometheusError,),
-               lambda: [_json(prom_doc())], lambda: _strategies().json_doc(prom_doc())),
+               prom_seeds, lambda: _strategies().json_doc(prom_doc())),
         Target("prometheus.rank_states", run_prom_rank_states, (prometheus.PrometheusError,),
-               lambda: [_json(prom_doc())], lambda: _strategies().prom_answer(prom_doc())),
+               prom_seeds, lambda: _strategies().prom_answer(prom_doc())),
     ]
     targets += _webconfig_targets()
     return {t.name: t for t in targets}

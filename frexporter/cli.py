@@ -344,18 +344,23 @@ def _analyze(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if bool(args.dir) == bool(args.prometheus):
         parser.error("analyze needs either DIR or --prometheus URL")
+    # What is printed is escaped already (safetext.printable, ASCII JSON); a character the terminal's encoding
+    # lacks (a PG description in Chinese under LC_ALL=C) is written as an escape rather than ending the run.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         if args.prometheus:
             result = report.from_prometheus(args.prometheus, args.job_id, args.stuck_after)
         else:
             result = report.from_dir(args.dir, 0.0 if args.stuck_after is None else args.stuck_after)
     except (dumpfiles.DumpError, prometheus.PrometheusError) as e:
-        print(f"frexporter analyze: {e}", file=sys.stderr)
+        print(f"frexporter analyze: {safetext.printable(e)}", file=sys.stderr)
         return 1
     if not result.ranks:
-        print(f"frexporter analyze: no rank data in {result.source}", file=sys.stderr)
+        print(f"frexporter analyze: no rank data in {safetext.printable(result.source)}", file=sys.stderr)
         for problem in result.problems:
-            print(f"  {problem}", file=sys.stderr)
+            print(f"  {safetext.printable(problem)}", file=sys.stderr)
         return 1
     print(report.render_json(result.verdicts) if args.json else report.render_text(result))
     return 0

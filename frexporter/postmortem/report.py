@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from frexporter import defaults
+from frexporter import defaults, safetext
 from frexporter.analysis import history
 from frexporter.analysis.findings import Finding, FindingsConfig, waits_in_progress
 from frexporter.analysis.verdicts import (
@@ -27,9 +28,16 @@ from frexporter.analysis.verdicts import (
 from frexporter.fr import trace
 from frexporter.model import ACTIVITY_UNKNOWN, Activity, RankState
 from frexporter.postmortem import dumpfiles, prometheus
+from frexporter.postmortem.dumpfiles import DumpError
+from frexporter.spool import MAX_TEXT_CHARS
 
 EVIDENCE_FILE = "verdict.json"
-_NOT_DUMPS = (EVIDENCE_FILE,)
+# An exporter's verdict.json holds one verdict and the list of the bundle's files (two a rank at most).
+MAX_EVIDENCE_BYTES = 4 * 1024 * 1024
+MAX_EVIDENCE_CONTAINERS = 1 << 19
+MAX_SUMMARY_CHARS = 4096
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
+               bool: "true or false", type(None): "null"}
 
 
 @dataclass
@@ -38,26 +46,73 @@ class Report:
     ranks: tuple[RankState, ...]
     verdicts: tuple[Verdict, ...]  # hangs first, then past mismatches, then lagging ranks
     problems: list[str] = field(default_factory=list)  # one line per skipped file or file with skipped entries
-    recorded: dict[str, Any] | None = None  # the verdict an exporter recorded with an evidence bundle
+    recorded: dict[str, str] | None = None  # kind, summary, job_id of the verdict recorded in an evidence bundle
     skipped_files: int = 0
     skipped_entries: int = 0
     waits: tuple[Finding, ...] = ()  # waits in progress below their threshold: shown when nothing is stuck
 
 
+def _bundle_file(name: str) -> bool:
+    """The files of an evidence bundle that are not dumps: its verdict.json and py-spy's stacks."""
+    return name == EVIDENCE_FILE or name.startswith("stacks_rank")
+
+
+def _text(value: object, limit: int) -> str | None:
+    if isinstance(value, str):
+        return safetext.repair(value[:limit])
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)[:limit]
+    return None
+
+
+def _json_type(value: object) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def parse_evidence(data: bytes, what: str) -> dict[str, str]:
+    """The verdict an exporter recorded in an evidence bundle's verdict.json: its kind, summary and job id
+    (text; "" where absent). DumpError, one line, when ``data`` is not such a record."""
+    containers = data.count(b"{") + data.count(b"[")
+    if len(data) > MAX_EVIDENCE_BYTES or containers > MAX_EVIDENCE_CONTAINERS:
+        raise DumpError(f"{what}: {len(data)} bytes, up to {containers} objects and lists: over the bound of "
+                        f"{MAX_EVIDENCE_BYTES} bytes and {MAX_EVIDENCE_CONTAINERS} for a verdict record")
+    try:
+        doc = json.loads(data)
+    except RecursionError as e:  # nesting deeper than the stack
+        raise DumpError(f"{what}: invalid JSON (nested too deeply)") from e
+    except ValueError as e:
+        raise DumpError(f"{what}: invalid JSON ({safetext.printable(e)})") from e
+    verdict = doc.get("verdict") if isinstance(doc, dict) else None
+    if not isinstance(verdict, dict):
+        got = f'a "verdict" that is {_json_type(verdict)}' if isinstance(doc, dict) else _json_type(doc)
+        raise DumpError(f'{what}: not a recorded verdict (an object with a "verdict" object), but {got}')
+    return {"kind": _text(verdict.get("kind"), MAX_TEXT_CHARS) or "",
+            "summary": _text(verdict.get("summary"), MAX_SUMMARY_CHARS) or "",
+            "job_id": _text(verdict.get("job_id"), MAX_TEXT_CHARS) or ""}
+
+
+def _read_evidence(directory: str) -> dict[str, str]:
+    """The bundle's recorded verdict; {} when the directory has no verdict.json (or one that is not a regular
+    file: load_dir lists that). DumpError when it cannot be used."""
+    path = os.path.join(directory, EVIDENCE_FILE)
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return {}
+    except OSError:
+        return {}
+    data, _mtime = dumpfiles.read_regular(path, path, MAX_EVIDENCE_BYTES)
+    return parse_evidence(data, path)
+
+
 def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report:
-    dumps, problems = dumpfiles.load_dir(directory)
-    problems = [p for p in problems if not any(os.path.basename(p.split(":")[0]) == f for f in _NOT_DUMPS)
-                and not os.path.basename(p.split(":")[0]).startswith("stacks_rank")]
+    dumps, problems = dumpfiles.load_dir(directory, skip=_bundle_file)
     recorded = None
-    evidence = os.path.join(directory, EVIDENCE_FILE)
-    if os.path.isfile(evidence):
-        try:
-            with open(evidence, "rb") as f:
-                recorded = json.loads(f.read(16 * 1024 * 1024))
-        except (OSError, ValueError) as e:
-            problems.append(f"{evidence}: {e}")
-    if isinstance(recorded, dict) and isinstance(recorded.get("verdict"), dict):
-        job_id = str(recorded["verdict"].get("job_id", job_id))
+    try:
+        recorded = _read_evidence(directory) or None
+    except DumpError as e:  # the dumps are judged all the same
+        problems.append(str(e))
+    if recorded and recorded["job_id"]:
+        job_id = recorded["job_id"]
     skipped_files = len(problems)
     skipped_entries = 0
     for d in dumps:
@@ -84,7 +139,8 @@ def from_prometheus(url: str, job_id: str | None, stuck_after: float | None = No
     report), so that the learned thresholds and the ceilings decide as in the alert rules; the default
     --stuck-after where no exporter reports one (older exporters). A number caps both."""
     now = time.time()
-    ranks = prometheus.rank_states(url, job_id, now)
+    view = prometheus.job_view(url, job_id, now)
+    ranks = view.ranks
     if stuck_after is None:
         ceilings = [pg.stuck_ceiling_seconds for r in ranks for pg in r.pgs if pg.stuck_ceiling_seconds is not None]
         stuck_after = max(ceilings, default=defaults.STUCK_AFTER)
@@ -93,7 +149,8 @@ def from_prometheus(url: str, job_id: str | None, stuck_after: float | None = No
     absent = tuple(v for v in find_absent_in_world(ranks) if not any(
         h.kind == RANK_ABSENT and h.job_id == v.job_id for h in verdicts))
     waits = tuple(waits_in_progress(ranks, now, FindingsConfig(stuck_after, complete_view=True)))
-    return Report(source=url, ranks=ranks, verdicts=(*verdicts, *absent), waits=waits)
+    return Report(source=url, ranks=ranks, verdicts=(*verdicts, *absent), waits=waits, problems=view.problems,
+                  skipped_entries=view.skipped_series)
 
 
 def _count(count: int, singular: str, plural: str) -> str:
@@ -113,8 +170,8 @@ def render_text(report: Report) -> str:
         lines.append(f"skipped {' and '.join(counted) or 'nothing usable'}; judged the rest:")
         lines.extend(f"  skipped: {problem}" for problem in report.problems)
     if report.recorded is not None:
-        v = report.recorded.get("verdict", {})
-        lines.append(f"  evidence bundle recorded by the exporter: {v.get('kind')}: {v.get('summary')}")
+        lines.append(f"  evidence bundle recorded by the exporter: {report.recorded.get('kind')}: "
+                     f"{report.recorded.get('summary')}")
     hangs = [v for v in report.verdicts if v.kind not in (PAST_MISMATCH, LAGGING_RANK)]
     past = [v for v in report.verdicts if v.kind == PAST_MISMATCH]
     lags = [v for v in report.verdicts if v.kind == LAGGING_RANK]
@@ -146,7 +203,9 @@ def render_text(report: Report) -> str:
         lines.append(f"{v.kind}: job {v.job_id}, PG {v.pg} ({v.pg_desc}), {v.op} #{v.seq}, "
                      f"rank(s) {','.join(map(str, v.ranks))}")
         lines.append(f"  {v.summary}")
-    return "\n".join(lines)
+    # Names, descriptions, paths and summaries come from dumps, file names and servers: each line is escaped
+    # whole, so that none of them can break it, start a line of its own or drive the terminal.
+    return "\n".join(safetext.printable(line) for line in lines)
 
 
 _SHOWN = 16  # ranks listed in a line
@@ -177,5 +236,18 @@ def _wait_line(f: Finding, activity: dict[tuple[str, int], Activity]) -> str:
             f"{_ranks(f.waiting)} wait on {on} for {waited:.0f}s{threshold}")
 
 
+def _repaired(value: Any) -> Any:
+    """``value`` with the lone surrogates of its text replaced (a dump's, a file name's): such text is not
+    Unicode, and strict JSON parsers refuse its escapes."""
+    if isinstance(value, str):
+        return safetext.repair(value)
+    if isinstance(value, dict):
+        return {_repaired(k): _repaired(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_repaired(v) for v in value]
+    return value
+
+
 def render_json(verdicts: Sequence[Verdict]) -> str:
-    return json.dumps([v.to_json() for v in verdicts], indent=1)
+    """ASCII JSON (every other character escaped), valid in any locale and to any strict parser."""
+    return json.dumps(_repaired([v.to_json() for v in verdicts]), indent=1, ensure_ascii=True)
