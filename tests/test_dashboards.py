@@ -1,7 +1,7 @@
 """The Grafana dashboards in grafana/: committed JSON equals what grafana/generate.py
-builds, the JSON loads into the Grafana 11.6 schema (grafana-foundation-sdk), every
-query is PromQL that promtool parses, and every series a query reads is one that
-frexporter exports, one of its recording rules, or Prometheus' own."""
+(the grafana/generator package) builds, the JSON loads into the Grafana 11.6 schema
+(grafana-foundation-sdk), every query is PromQL that promtool parses, and every series
+a query reads is one that frexporter exports, one of its recording rules, or Prometheus' own."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from grafana_foundation_sdk.models import dashboard as mdash  # noqa: E402
 from grafana_foundation_sdk.models import prometheus as mprom  # noqa: E402
 
 from grafana import generate  # noqa: E402 (after the check: it imports the SDK)
+from grafana.generator import panels, promql  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "grafana"
@@ -303,14 +304,14 @@ def _known_series() -> set[str]:
         v for v in vars(naming).values() if isinstance(v, str) and v.startswith(naming.PREFIX) and v != naming.PREFIX
     }
     recorded = {rule["record"] for group in load_rules()["groups"] for rule in group["rules"] if "record" in rule}
-    return exported | recorded | generate.EXTERNAL_METRICS
+    return exported | recorded | promql.EXTERNAL_METRICS
 
 
 def _is_known(name: str, known: set[str]) -> bool:
     if name in known:
         return True
     # A histogram is exposed as <name>_bucket/_count/_sum series.
-    return any(name.endswith(suffix) and name[: -len(suffix)] in known for suffix in generate.HISTOGRAM_SUFFIXES)
+    return any(name.endswith(suffix) and name[: -len(suffix)] in known for suffix in promql.HISTOGRAM_SUFFIXES)
 
 
 def test_every_series_a_query_reads_is_exported_or_recorded() -> None:
@@ -366,11 +367,11 @@ def test_dashboards_cover_the_metrics_that_matter() -> None:
         naming.GPU_ECC_ERRORS_TOTAL,
         naming.GPU_XID_ERRORS_TOTAL,
         naming.GPU_NVLINK_ERRORS_TOTAL,
-        generate.R_ENQUEUED_SKEW,
-        generate.R_BUDGET_USED,
-        generate.R_OLDEST_INFLIGHT_AGE,
-        generate.R_RANKS_UP_SUM,
-        generate.ALERTS,
+        promql.R_ENQUEUED_SKEW,
+        promql.R_BUDGET_USED,
+        promql.R_OLDEST_INFLIGHT_AGE,
+        promql.R_RANKS_UP_SUM,
+        promql.ALERTS,
     }
     assert required <= used, sorted(required - used)
 
@@ -381,8 +382,8 @@ def test_every_activity_state_has_its_own_number_and_colour() -> None:
     assert set(style) == set(ACTIVITY_STATES)
     assert len({code for code, _ in style.values()}) == len(style)
     for state, (code, color) in style.items():
-        assert generate.ACTIVITY_MAPPING[0].options[str(code)].text == state
-        assert generate.ACTIVITY_LABEL_MAPPING[0].options[state].color == color
+        assert panels.ACTIVITY_MAPPING[0].options[str(code)].text == state
+        assert panels.ACTIVITY_LABEL_MAPPING[0].options[state].color == color
     # The rank dashboard draws the state as a number: every state's series is read, with its own code.
     (expr,) = {q.expr for q in generate.panel_queries() if (q.dashboard_uid, q.panel_title) == (
         generate.UID_RANK, "Activity")}
