@@ -319,7 +319,7 @@ def assert_exporter_container(c: dict[str, Any], mount: str = "/run/frexporter",
     assert c["ports"] == [{"name": "metrics", "containerPort": 9477, "protocol": "TCP"}]
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    assert c["resources"] == {}
+    assert c["resources"] == {"requests": {"cpu": "50m", "memory": "96Mi"}, "limits": {"memory": "512Mi"}}
     assert_hardened(c["securityContext"])
     # The spool read-only; evidence bundles go to their own writable emptyDir.
     assert c["volumeMounts"] == [{"name": "frexporter-spool", "mountPath": mount, "readOnly": True},
@@ -445,7 +445,7 @@ def test_daemonset_options(helm: str, jsonschema_mod: Any, tmp_path: Path) -> No
     assert exporter["args"][exporter["args"].index("--deep-interval") + 1] == "60"
     assert exporter["args"][-2:] == ["--rank-timeout", "3"]
     assert exporter["image"].endswith("@sha256:" + "a" * 64)
-    assert exporter["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}}
+    assert exporter["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}}
     assert pod["runtimeClassName"] == "nvidia" and "initContainers" not in pod
     assert named(pod["volumes"], "frexporter-spool")["hostPath"]["path"] == "/var/run/fr"
     assert exporter["volumeMounts"][0]["mountPath"] == "/spool"
