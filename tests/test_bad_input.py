@@ -146,9 +146,9 @@ class SilentSocket:
 
 def test_socket_that_never_answers_does_not_hold_the_poll(tmp_path: Path) -> None:
     spoolgen.write_rank(tmp_path, "job", 0)
-    stale = spoolgen.write_rank(tmp_path, "job", 1, socket="hung.sock")
+    stale = spoolgen.write_rank(tmp_path, "job", 1, socket=spoolgen.own_socket("job", 1))
     spool.write_json_atomic(str(tmp_path / (stale + spool.SNAPSHOT_SUFFIX)), spoolgen.snapshot(100001, when=1.0))
-    hung = SilentSocket(str(tmp_path / "hung.sock"))
+    hung = SilentSocket(str(tmp_path / spoolgen.own_socket("job", 1)))
     try:
         exporter, source = make_exporter(tmp_path, rank_timeout=0.5)
         durations = []
@@ -168,7 +168,7 @@ def test_socket_that_never_answers_does_not_hold_the_poll(tmp_path: Path) -> Non
 
 def test_dead_rank_without_socket_is_down_not_an_error(tmp_path: Path) -> None:
     spoolgen.write_rank(tmp_path, "job", 0)
-    stale = spoolgen.write_rank(tmp_path, "job", 1, socket="gone.sock")
+    stale = spoolgen.write_rank(tmp_path, "job", 1, socket=spoolgen.own_socket("job", 1))
     spool.write_json_atomic(str(tmp_path / (stale + spool.SNAPSHOT_SUFFIX)), spoolgen.snapshot(100001, when=1.0))
     exporter, _ = make_exporter(tmp_path)
     exporter.poll_once()

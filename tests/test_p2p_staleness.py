@@ -13,9 +13,9 @@ from tests.test_collectives import T0, FakeWorker, raw
 def test_inflight_from_an_old_deep_read_is_dropped_once_the_rank_completes_more(tmp_path: Path) -> None:
     clock = [T0 + 10.0]
     stem = spool.rank_stem("job", 0)
-    sock = str(tmp_path / "w.sock")
+    sock = str(tmp_path / spool.socket_name(stem))
     spool.write_json_atomic(str(tmp_path / (stem + spool.MANIFEST_SUFFIX)),
-                            spoolgen.manifest("job", 0, world=1, socket="w.sock"))
+                            spoolgen.manifest("job", 0, world=1, socket=spool.socket_name(stem)))
     # gloo: op_id 2 went to a send (not recorded); collective #2 is op 3 and in flight at the deep read.
     ring = [raw(0, 1), {**raw(1, 2, created=T0 + 9.0, retired=False), "op_id": 3}]
     worker = FakeWorker(sock, lambda: {"version": "2.10", "entries": ring, "pg_status": {

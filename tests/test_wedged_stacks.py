@@ -220,10 +220,10 @@ class Rig:
         self.shared = {"open": 0, "most": 0}
         self.workers = []
         for rank in range(ranks):
-            stem = spoolgen.write_rank(tmp, "job", rank, socket=f"w{rank}.sock", handlers=list(handlers),
-                                       recorders=[])
+            sock = spoolgen.own_socket("job", rank)
+            stem = spoolgen.write_rank(tmp, "job", rank, socket=sock, handlers=list(handlers), recorders=[])
             self.wedge(rank, stem)
-            self.workers.append(ScriptedWorker(tmp / f"w{rank}.sock", answers, self.shared))
+            self.workers.append(ScriptedWorker(tmp / sock, answers, self.shared))
         options: dict[str, object] = {"poll_interval": 0.2, "rank_timeout": 0.5, "wedged_stacks": True}
         options.update(config)
         self.config = RanksConfig(directory=str(tmp), **options)  # type: ignore[arg-type]
