@@ -43,7 +43,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 from frexporter import safetext, spool
 from frexporter.analysis import history
@@ -758,8 +757,7 @@ def run_parse_query_response(data: bytes) -> None:
 def run_prom_rank_states(data: bytes) -> None:
     """``analyze --prometheus``: one fuzzed answer stands in for every query the analysis makes."""
     samples = prometheus.parse_query_response(data)
-    with mock.patch.object(prometheus, "query", lambda *_a, **_k: samples):
-        states = prometheus.rank_states("http://fuzz", None, now=1.7e9)
+    states = prometheus.rebuild(dict.fromkeys(prometheus.Query, samples), now=1.7e9).ranks
     if any(not 0 <= r.rank <= spool.MAX_RANK for r in states):
         raise Failure("invariant", "a rank that no rank label an exporter writes names")
     evaluate(states, 1.7e9, VerdictConfig(stuck_after=30.0, complete_view=True))

@@ -31,7 +31,8 @@ import pytest
 from frexporter import naming as n
 from frexporter import safetext
 from frexporter.analysis.verdicts import RANK_ABSENT
-from frexporter.postmortem import prometheus, report
+from frexporter.postmortem import promclient, prometheus, report
+from frexporter.postmortem.promview import Query
 
 NOW = 1_700_000_000.0
 DRIP_S = 0.5  # the hostile server's pace: one byte, then this long
@@ -160,18 +161,15 @@ def rank_series(job: str, rank: int, world: int, pgs: tuple[str, ...] = ("0",), 
     return out
 
 
-class FakePrometheus:
-    """Stands in for prometheus.query: the samples of the query's metric."""
-
-    def __init__(self, samples: list[dict[str, Any]]) -> None:
-        self.samples = samples
-
-    def __call__(self, base_url: str, promql: str, timeout: float = 30.0) -> list[dict[str, Any]]:
-        return [s for s in self.samples if s["metric"]["__name__"] == _metric_name(promql)]
+def answers(samples: list[dict[str, Any]]) -> dict[Query, list[dict[str, Any]]]:
+    """What prometheus.fetch returns for these samples: each query's, those of its metric (timestamp() and
+    max_over_time() as the plain one)."""
+    return {q: [s for s in samples if s["metric"]["__name__"] == q.metric] for q in Query}
 
 
 def analyze_fake(samples: list[dict[str, Any]]) -> report.Report:
-    with mock.patch.object(prometheus, "query", FakePrometheus(samples)), mock.patch("time.time", return_value=NOW):
+    with mock.patch.object(prometheus, "fetch", lambda *_a, **_k: answers(samples)), \
+            mock.patch("time.time", return_value=NOW):
         return report.from_prometheus("http://prometheus", None, stuck_after=30)
 
 
@@ -330,7 +328,7 @@ def test_a_genuine_100000_rank_world_is_still_expanded() -> None:
 
 def test_an_answer_with_more_series_than_the_bound_is_refused() -> None:
     samples = [sample(n.RANK_UP, 1, job_id="j", rank=str(r)) for r in range(11)]
-    with mock.patch.object(prometheus, "MAX_SERIES", 10):
+    with mock.patch.object(promclient, "MAX_SERIES", 10):
         assert len(prometheus.parse_query_response(vector(samples[:10]))) == 10
         with pytest.raises(prometheus.PrometheusError, match="more than 10 series"):
             prometheus.parse_query_response(vector(samples))

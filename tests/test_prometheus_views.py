@@ -5,8 +5,8 @@
 - the Grafana dashboards: every panel query returns data for a job with a desync in flight, except an
   explicit list of queries whose data this CPU job cannot produce (GPUs, NCCL timing, ...).
 
-The unit tests at the end pin how ``frexporter.analysis.prom`` reads series (membership, duplicates,
-escaping, heartbeats), with canned query answers instead of a Prometheus.
+The unit tests at the end pin how ``promview.rebuild`` reads series (membership, duplicates, heartbeats,
+activity) and how ``prometheus.fetch`` quotes the job, with canned query answers instead of a Prometheus.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import pytest
 from frexporter import naming as n
 from frexporter.analysis.verdicts import MISSING_RANK, RANK_ABSENT, VerdictConfig, evaluate
 from frexporter.model import ACTIVITY_IN_COLLECTIVE, RANK_OK, RANK_UNRESPONSIVE
-from frexporter.postmortem import prometheus, report
+from frexporter.postmortem import prometheus, promview, report
+from frexporter.postmortem.promview import Query
 from tests.harness import REPO, Job, require_module, wait_for
 from tests.promstack import SCALE, PromStack
 from tests.rulefile import load_rules
@@ -216,7 +217,7 @@ def test_every_dashboard_query_returns_data_for_a_desync(
               f"{len(excluded)} excluded (GPU, NCCL timing, collective metrics, recorder errors)")
 
 
-# --- how prometheus.rank_states reads series (canned answers) ----------------------------------------------------
+# --- how promview.rebuild reads series (canned answers) -------------------------------------------------------
 
 NOW = 1_700_000_000.0
 
@@ -244,29 +245,25 @@ def _rank(metric: str, value: float, rank: int, instance: str = "node0:9400", sc
     return _sample(metric, value, scraped, job_id="j", rank=str(rank), instance=instance, **extra)
 
 
-class FakePrometheus:
-    """Answers prometheus.query from samples of one job: plain selectors, timestamp() of them and max_over_time()
-    over a window, by metric name. A sample marked ``_past`` was seen in the window only, not now."""
+def _answers(samples: list[dict[str, Any]]) -> dict[Query, list[dict[str, Any]]]:
+    """What prometheus.fetch returns for samples of one job: each query's, those of its metric; timestamp()'s
+    carry when the sample was scraped, and a sample marked ``_past`` was seen in the window (max_over_time)
+    only, not now."""
+    out: dict[Query, list[dict[str, Any]]] = {}
+    for q in Query:
+        found = [s for s in samples if s["metric"]["__name__"] == q.metric
+                 and (q is Query.BUSY_LATELY or not s.get("_past"))]
+        if q is Query.SCRAPED:  # like Prometheus: the name is dropped, the value is when the sample was scraped
+            out[q] = [{"metric": {k: v for k, v in s["metric"].items() if k != "__name__"},
+                       "value": [NOW, repr(s["_scraped"])]} for s in found]
+        else:
+            out[q] = [{"metric": s["metric"], "value": s["value"]} for s in found]
+    return out
 
-    def __init__(self, samples: list[dict[str, Any]]) -> None:
-        self.samples = samples
-        self.queries: list[str] = []
 
-    def __call__(self, base_url: str, promql: str, timeout: float = 30.0) -> list[dict[str, Any]]:
-        self.queries.append(promql)
-        stamp = promql.startswith("timestamp(")
-        window = promql.startswith("max_over_time(")
-        name = promql.removeprefix("timestamp(").removeprefix("max_over_time(").split("{")[0]
-        out = []
-        for s in self.samples:
-            if s["metric"]["__name__"] != name or (s.get("_past") and not window):
-                continue
-            if stamp:  # like Prometheus: the name is dropped, the value is when the sample was scraped
-                labels = {k: v for k, v in s["metric"].items() if k != "__name__"}
-                out.append({"metric": labels, "value": [NOW, repr(s["_scraped"])]})
-            else:
-                out.append({"metric": s["metric"], "value": s["value"]})
-        return out
+def _served(samples: list[dict[str, Any]]) -> Any:
+    """prometheus.fetch standing in for the server, for report.from_prometheus."""
+    return mock.patch.object(prometheus, "fetch", lambda *_a, **_k: _answers(samples))
 
 
 def _rank_series(rank: int, enq: int, done: int, world: int = 3, instance: str = "node0:9400",
@@ -287,9 +284,8 @@ def _rank_series(rank: int, enq: int, done: int, world: int = 3, instance: str =
     return out
 
 
-def _states(samples: list[dict[str, Any]], job_id: str | None = "j") -> tuple[Any, ...]:
-    with mock.patch.object(prometheus, "query", FakePrometheus(samples)):
-        return prometheus.rank_states("http://prometheus", job_id, NOW)
+def _states(samples: list[dict[str, Any]]) -> tuple[Any, ...]:
+    return promview.rebuild(_answers(samples), NOW).ranks
 
 
 def test_a_rank_without_series_is_still_a_member_of_the_world_pg() -> None:
@@ -316,10 +312,15 @@ def test_a_rank_reported_by_two_exporters_is_read_from_the_fresher() -> None:
 
 
 def test_job_id_is_quoted_in_promql() -> None:
-    fake = FakePrometheus([])
-    with mock.patch.object(prometheus, "query", fake):
-        prometheus.rank_states("http://prometheus", 'a"b\\c', NOW)
-    assert fake.queries and all('{job_id="a\\"b\\\\c"}' in q for q in fake.queries), fake.queries
+    asked: list[str] = []
+
+    def record(_url: str, promql: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+        asked.append(promql)
+        return []
+
+    with mock.patch.object(prometheus, "query", record):
+        assert prometheus.rank_states("http://prometheus", 'a"b\\c', NOW) == ()
+    assert len(asked) == len(Query) and all('{job_id="a\\"b\\\\c"}' in q for q in asked), asked
 
 
 def test_heartbeat_staleness_is_judged_at_the_scrape() -> None:
@@ -339,14 +340,14 @@ def test_heartbeat_staleness_is_judged_at_the_scrape() -> None:
 def test_analyze_prometheus_names_the_absent_ranks() -> None:
     # A world of 4: ranks 0 and 1 report and wait in collective 8; ranks 2 and 3 never reported anything.
     samples = [*_rank_series(0, 8, 7, world=4, oldest=NOW - 100), *_rank_series(1, 8, 7, world=4, oldest=NOW - 100)]
-    with mock.patch.object(prometheus, "query", FakePrometheus(samples)), mock.patch("time.time", return_value=NOW):
+    with _served(samples), mock.patch("time.time", return_value=NOW):
         found = report.from_prometheus("http://prometheus", "j", stuck_after=30)
     absent = [v for v in found.verdicts if v.kind == RANK_ABSENT]
     assert [(v.ranks, v.waiting_ranks) for v in absent] == [((2, 3), (0, 1))], found.verdicts
     assert "rank_absent: job j, culprit rank(s) 2,3" in report.render_text(found)
     # All of the world reporting: nothing absent.
     full = [*samples, *_rank_series(2, 8, 8, world=4), *_rank_series(3, 8, 8, world=4)]
-    with mock.patch.object(prometheus, "query", FakePrometheus(full)):
+    with _served(full):
         assert not [v for v in report.from_prometheus("http://prometheus", "j", 30).verdicts if v.kind == RANK_ABSENT]
 
 
@@ -372,8 +373,7 @@ def test_analyze_prometheus_uses_the_learned_threshold_and_shows_a_wait_below_it
                *_rank_series(2, 7, 7)]
 
     def analyze(extra: list[dict[str, Any]]) -> report.Report:
-        with mock.patch.object(prometheus, "query", FakePrometheus([*samples, *extra])), \
-                mock.patch("time.time", return_value=NOW):
+        with _served([*samples, *extra]), mock.patch("time.time", return_value=NOW):
             return report.from_prometheus("http://prometheus", "j", stuck_after=60)
 
     # The exporters learned 10 s (node1's 25 s loses to the shortest): blamed now, as the alert does.
@@ -400,8 +400,7 @@ def test_analyze_prometheus_gives_a_busy_culprit_the_ceiling_and_an_idle_one_the
     def analyze(waited: float, *extra: dict[str, Any], stuck_after: float | None = None) -> report.Report:
         samples = [*_rank_series(0, 8, 7, oldest=NOW - waited), *_rank_series(1, 8, 7, oldest=NOW - waited),
                    *_rank_series(2, 7, 7), *pg, *extra]
-        with mock.patch.object(prometheus, "query", FakePrometheus(samples)), \
-                mock.patch("time.time", return_value=NOW):
+        with _served(samples), mock.patch("time.time", return_value=NOW):
             return report.from_prometheus("http://prometheus", "j", stuck_after)
 
     def doing(state: str, since: float = NOW - 40) -> dict[str, Any]:
@@ -446,8 +445,7 @@ def test_analyze_prometheus_without_activity_series_judges_as_before() -> None:
     verdict = _rank(n.VERDICT, 1, 2, kind=MISSING_RANK, pg="0", culprit_state="busy", culprit_function="save")
 
     def analyze(*extra: dict[str, Any]) -> report.Report:
-        with mock.patch.object(prometheus, "query", FakePrometheus([*samples, *extra])), \
-                mock.patch("time.time", return_value=NOW):
+        with _served([*samples, *extra]), mock.patch("time.time", return_value=NOW):
             return report.from_prometheus("http://prometheus", "j")
 
     assert [v.ranks for v in analyze().verdicts] == [(2,)]  # nothing known of rank 2: the learned 10 s
