@@ -208,10 +208,9 @@ def main() -> None:
 
 def run(args: argparse.Namespace, workdir: Path) -> None:
     from frexporter.sources import worker_client
-    from frexporter.sources.ranks import DEEP_HANDLERS
-    from frexporter.spool import RECORDER_FR
+    from frexporter.sources.worker_handlers import FR_TRACE
 
-    handler, query = DEEP_HANDLERS[RECORDER_FR]
+    handler, query = FR_TRACE.name, FR_TRACE.query
     spool_dir = workdir / "spool"
     out = workdir / "rank.json"
     env = {**os.environ, "FREXPORTER_DIR": str(spool_dir), "FREXPORTER_SNAPSHOT_INTERVAL": str(args.interval),

@@ -139,10 +139,9 @@ dist.destroy_process_group()
 def deep_read_all(spool: Path, timeout: float) -> float:
     """What the exporter does on a deep read of every rank: fetch each FR buffer over its socket."""
     from frexporter.sources import worker_client
-    from frexporter.sources.ranks import DEEP_HANDLERS
-    from frexporter.spool import RECORDER_FR
+    from frexporter.sources.worker_handlers import FR_TRACE
 
-    handler, query = DEEP_HANDLERS[RECORDER_FR]
+    handler, query = FR_TRACE.name, FR_TRACE.query
     begin = time.perf_counter()
     for sock in sorted(glob.glob(str(spool / "*.sock"))):
         worker_client.post_json(sock, handler, timeout, query)

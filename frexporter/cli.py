@@ -252,8 +252,6 @@ def _serve(args: argparse.Namespace) -> int:
     if spool_pending:
         print(f"frexporter: spool directory {directory} does not exist yet; waiting for ranks to create it",
               file=sys.stderr)
-    elif not _spool_permissions_ok(directory, args.strict_permissions, files_only=not args.strict_permissions):
-        return 2
     web_config = None
     if args.web_config:
         from frexporter.web.webconfig import WebConfigError, load_web_config
@@ -290,13 +288,18 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: done.set())
     app.start()
     log.info("serving on %s://%s:%d/ (spool %s)", app.server.scheme, host, app.port, directory)
-    # A sidecar starts before its trainer creates the spool: check the directory once it appears.
-    while not done.wait(SPOOL_RECHECK_SECONDS if spool_pending else None):
-        if spool_pending and os.path.isdir(directory):
-            spool_pending = False
-            if not _spool_permissions_ok(directory, args.strict_permissions, files_only=not args.strict_permissions):
+    # --strict-permissions: the ranks source judges the spool; one it refuses on its first read (at start, or once
+    # a sidecar's trainer created it) is a refusal to run.
+    watching = args.strict_permissions
+    while True:
+        if watching:
+            refusal, watching = _first_read_refusal(app)
+            if refusal is not None:
+                print(f"frexporter: {refusal}", file=sys.stderr)
                 app.stop()
                 return 2
+        if done.wait(SPOOL_RECHECK_SECONDS if watching else None):
+            break
     app.stop()
     return 0
 
@@ -310,19 +313,19 @@ def root_warning(euid: int) -> str | None:
             "and for --evidence-stacks grant CAP_SYS_PTRACE rather than root")
 
 
-def _spool_permissions_ok(directory: str, strict: bool, files_only: bool = False) -> bool:
-    """``files_only``: leave the directory's own problems to the ranks source, which reports them (counted) on
-    its first poll and whenever they come back."""
-    problems = spool.check_permissions(directory)
-    if files_only:
-        problems = [p for p in problems if p.path != directory]
-    for problem in problems:
-        if strict:
-            print(f"frexporter: unsafe spool permissions: {problem}", file=sys.stderr)
-        else:
-            logging.getLogger("frexporter").warning("unsafe spool permissions: %s (--strict-permissions refuses "
-                                                    "to run)", problem)
-    return not (strict and problems)
+def _first_read_refusal(app: Any) -> tuple[str | None, bool]:
+    """(the ranks source's refusal of the spool on its first read, whether to keep watching for that read).
+
+    The policy is the ranks source's (sources/ranks/permissions.py): under --strict-permissions it refuses a
+    spool others may change, and is down while it does. This only maps that verdict to the exit status."""
+    from frexporter.sources.ranks.permissions import REASON
+
+    status = next((s for s in app.exporter.snapshot.sources if s.name == n.SOURCE_RANKS), None)
+    if status is None or status.up:
+        return None, False  # no ranks source, or the spool was read
+    if status.errors_total.get(REASON):
+        return status.last_error, False
+    return None, True  # not read yet: the spool does not exist (yet), or could not be opened
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -54,7 +54,9 @@ def test_bad_manifest_is_reported_once_and_others_served(tmp_path: Path, caplog:
                                                          case: str) -> None:
     content, reason = BAD_FILES[case]
     spoolgen.write_rank(tmp_path, "job", 0)
-    (tmp_path / f"bad.r9{spool.MANIFEST_SUFFIX}").write_bytes(content)
+    bad = tmp_path / f"bad.r9{spool.MANIFEST_SUFFIX}"
+    bad.write_bytes(content)
+    bad.chmod(0o600)  # as the recorder makes it: a file open to every user would be warned about too
     exporter, _ = make_exporter(tmp_path)
     caplog.set_level(logging.WARNING, logger="frexporter")
     for counter in range(2, 7):

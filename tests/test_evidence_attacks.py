@@ -29,13 +29,14 @@ from frexporter import spool
 from frexporter.analysis import Verdict
 from frexporter.model import NodeSnapshot
 from frexporter.outputs import evidence
-from frexporter.outputs.evidence import EvidenceConfig, EvidenceWriter, LogLimiter, list_evidence
+from frexporter.outputs.evidence import EvidenceConfig, EvidenceWriter, list_evidence
 from frexporter.outputs.verdict_events import (
     MAX_CAPTURES_PER_INTERVAL,
     MAX_PENDING_CAPTURES,
     VERDICT_LOG_BURST,
     VerdictEvents,
 )
+from frexporter.ratelimit import LogLimiter
 from tests import spoolgen
 from tests.harness import REPO, free_port, metrics, sample, wait_for
 
@@ -513,7 +514,7 @@ def test_one_capture_reads_sockets_for_at_most_its_deadline(tmp_path: Path) -> N
         for rank in range(8):
             spoolgen.write_rank(spool_dir, "job", rank, socket=spoolgen.own_socket("job", rank), recorders=[])
         source = RanksSource(RanksConfig(directory=str(spool_dir)))
-        ranks = source.read_ranks()
+        ranks = source.collect().ranks
         source.close()
         assert len(ranks) == 8
         config = EvidenceConfig(directory=str(tmp_path / "evidence"), timeout=0.5, deadline=1.2)

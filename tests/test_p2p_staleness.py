@@ -28,7 +28,7 @@ def test_inflight_from_an_old_deep_read_is_dropped_once_the_rank_completes_more(
                                 "last_completed_collective": completed}}}
         spool.write_json_atomic(str(tmp_path / (stem + spool.SNAPSHOT_SUFFIX)),
                                 spoolgen.snapshot(100000, counter=counter, when=clock[0], status=status))
-        (rank,) = source.read_ranks()
+        (rank,) = source.collect().ranks
         return next(pg for pg in rank.pgs if pg.name == "0")
 
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from frexporter import spool
 from frexporter.model import RANK_DOWN, RANK_OK, RANK_UNRESPONSIVE
-from frexporter.sources import worker_client
+from frexporter.sources import worker_handlers
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from tests import spoolgen
 from tests.harness import REPO, wait_for
@@ -34,23 +34,23 @@ def source(tmp_path: Path, clock: Clock, grace: float = 30.0) -> RanksSource:
 def test_new_ranks_appear_on_the_next_poll(tmp_path: Path) -> None:
     clock = Clock(spoolgen.time.time())
     src = source(tmp_path, clock)
-    assert src.read_ranks() == ()
+    assert src.collect().ranks == ()
     spoolgen.write_rank(tmp_path, "job", 0)
     spoolgen.write_rank(tmp_path, "job", 1)
-    assert [r.rank for r in src.read_ranks()] == [0, 1]
+    assert [r.rank for r in src.collect().ranks] == [0, 1]
 
 
 def test_restarted_rank_replaces_its_old_state(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock(spoolgen.time.time())
     src = source(tmp_path, clock)
     spoolgen.write_rank(tmp_path, "job", 0, seq=500)
-    (first,) = src.read_ranks()
+    (first,) = src.collect().ranks
     assert first.pgs[0].last_completed == 500
     caplog.set_level(logging.INFO, logger="frexporter")
     # torchelastic restart: same job and rank, new pid, sequences start over.
     spoolgen.write_rank(tmp_path, "job", 0, seq=3, pid=424242)
     clock.now += 1
-    (second,) = src.read_ranks()
+    (second,) = src.collect().ranks
     assert (second.pid, second.pgs[0].last_completed, second.status) == (424242, 3, RANK_OK)
     assert any("restarted" in r.getMessage() for r in caplog.records)
 
@@ -60,32 +60,32 @@ def test_departed_rank_is_down_then_dropped_after_grace(tmp_path: Path) -> None:
     src = source(tmp_path, clock, grace=30.0)
     spoolgen.write_rank(tmp_path, "job", 0)
     spoolgen.write_rank(tmp_path, "job", 1)
-    src.read_ranks()
+    src.collect()
     clock.now += 10  # rank 1 stops refreshing; rank 0 goes on
     spoolgen.refresh(tmp_path, "job", 0, counter=2)
-    assert {r.rank: r.status for r in src.read_ranks()} == {0: RANK_OK, 1: RANK_DOWN}
+    assert {r.rank: r.status for r in src.collect().ranks} == {0: RANK_OK, 1: RANK_DOWN}
     clock.now += 31
     spoolgen.refresh(tmp_path, "job", 0, counter=3)
-    assert [r.rank for r in src.read_ranks()] == [0]
+    assert [r.rank for r in src.collect().ranks] == [0]
 
 
 def test_clean_exit_is_not_an_outage(tmp_path: Path) -> None:
     clock = Clock(spoolgen.time.time())
     src = source(tmp_path, clock)
     stem = spoolgen.write_rank(tmp_path, "job", 0)
-    src.read_ranks()
+    src.collect()
     spool.write_json_atomic(str(tmp_path / (stem + spool.SNAPSHOT_SUFFIX)),
                             spoolgen.snapshot(100000, counter=2, state="exiting"))
-    assert src.read_ranks() == ()
+    assert src.collect().ranks == ()
 
 
 def test_removed_files_drop_the_rank(tmp_path: Path) -> None:
     clock = Clock(spoolgen.time.time())
     src = source(tmp_path, clock)
     stem = spoolgen.write_rank(tmp_path, "job", 0)
-    assert len(src.read_ranks()) == 1
+    assert len(src.collect().ranks) == 1
     (tmp_path / (stem + spool.MANIFEST_SUFFIX)).unlink()
-    assert src.read_ranks() == ()
+    assert src.collect().ranks == ()
 
 
 def test_rank_between_its_manifest_and_first_snapshot_is_starting_not_wedged(tmp_path: Path) -> None:
@@ -99,7 +99,7 @@ def test_rank_between_its_manifest_and_first_snapshot_is_starting_not_wedged(tmp
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "up"
-        assert worker_client.ping(str(sock), 5.0)  # the socket answers at once: a ping would settle the status
+        assert worker_handlers.ping(str(sock), 5.0)  # the socket answers at once: a ping would settle the status
         spool.write_json_atomic(str(tmp_path / ("job-r0" + spool.MANIFEST_SUFFIX)),
                                 spoolgen.manifest("job", 0, socket=sock.name, pid=server.pid))
         clock = Clock(spoolgen.time.time())
@@ -107,11 +107,11 @@ def test_rank_between_its_manifest_and_first_snapshot_is_starting_not_wedged(tmp
         try:
             deadline = time.monotonic() + 1.0  # many times a ping's round trip on this socket
             while time.monotonic() < deadline:
-                (state,) = src.read_ranks()
+                (state,) = src.collect().ranks
                 assert (state.status, state.heartbeat) == (RANK_OK, None)
             # No snapshot for longer than three default intervals: now the live socket means a wedged Python.
             clock.now += 3 * spool.DEFAULT_SNAPSHOT_INTERVAL + 1.0
-            wait_for(lambda: src.read_ranks()[0].status == RANK_UNRESPONSIVE, timeout=10, what="rank unresponsive")
+            wait_for(lambda: src.collect().ranks[0].status == RANK_UNRESPONSIVE, timeout=10, what="rank unresponsive")
         finally:
             src.close()
     finally:

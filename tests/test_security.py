@@ -567,21 +567,85 @@ def test_serve_strict_permissions_refuses(tmp_path: Path) -> None:
     assert f"fix: chmod 700 {d}" in out.stderr
 
 
-def test_serve_warns_about_permissions(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_refuses_a_spool_that_turns_up_unsafe(tmp_path: Path) -> None:
+    """A sidecar starts before its trainer makes the spool: the ranks source's first read of it decides."""
+    d = tmp_path / "spool"
+    proc = subprocess.Popen([sys.executable, "-m", "frexporter", "serve", "--dir", str(d), "--listen", "127.0.0.1:0",
+                             "--no-nvml", "--strict-permissions", "--poll-interval", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        time.sleep(1.0)
+        assert proc.poll() is None  # no spool yet: waiting for it, not refusing
+        d.mkdir()
+        os.chmod(d, 0o777)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 2, err
+    assert f"frexporter: unsafe spool permissions: {d}: world-writable" in err and f"fix: chmod 700 {d}" in err
+
+
+def test_spool_permissions_warned_or_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks source's policy: a group-writable spool in private mode is warned about and counted, refused
+    under --strict-permissions, and what group mode asks for."""
+    from frexporter.sources.base import Reading, SourceError
+    from frexporter.sources.ranks import RanksConfig, RanksSource
+
+    def collect(strict: bool) -> Reading:
+        source = RanksSource(RanksConfig(directory=str(d), strict_permissions=strict))
+        try:
+            return source.collect()
+        finally:
+            source.close()
+
     d = tmp_path / "spool"
     d.mkdir()
     os.chmod(d, 0o2770)
     monkeypatch.delenv(spool.GROUP_ENV, raising=False)
     with caplog.at_level(logging.WARNING, logger="frexporter"):
-        assert cli._spool_permissions_ok(str(d), strict=False)
+        assert [reason for reason, _ in collect(strict=False).problems] == ["unsafe_permissions"]
     assert f"unsafe spool permissions: {d}: group-writable" in caplog.text
-    assert not cli._spool_permissions_ok(str(d), strict=True)
+    with pytest.raises(SourceError) as refused:
+        collect(strict=True)
+    assert refused.value.reason == "unsafe_permissions" and f"{d}: group-writable" in str(refused.value)
     monkeypatch.setenv(spool.GROUP_ENV, "1")  # the same directory is what group mode asks for
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="frexporter"):
-        assert cli._spool_permissions_ok(str(d), strict=True)
+        assert collect(strict=True).problems == ()
     assert caplog.text == ""
+
+
+def test_rank_files_open_to_everyone_are_warned_once_or_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                                ) -> None:
+    """Rank files any local user may read (the ranks' privacy): warned on the spool's first read, not counted;
+    under --strict-permissions the spool is not read."""
+    from frexporter.sources.base import SourceError
+    from frexporter.sources.ranks import RanksConfig, RanksSource
+
+    d = tmp_path / "spool"
+    d.mkdir(mode=0o700)
+    os.chmod(d, 0o700)
+    stem = spoolgen.write_rank(d, "job", 0)
+    os.chmod(d / (stem + spool.MANIFEST_SUFFIX), 0o644)
+    source = RanksSource(RanksConfig(directory=str(d)))
+    try:
+        with caplog.at_level(logging.WARNING, logger="frexporter"):
+            for _ in range(3):
+                reading = source.collect()
+                assert reading.problems == () and [r.rank for r in reading.ranks or ()] == [0]
+    finally:
+        source.close()
+    assert caplog.text.count("open to every local user") == 1
+    strict = RanksSource(RanksConfig(directory=str(d), strict_permissions=True))
+    try:
+        with pytest.raises(SourceError, match="open to every local user"):
+            strict.collect()
+        os.chmod(d / (stem + spool.MANIFEST_SUFFIX), 0o600)
+        assert [r.rank for r in strict.collect().ranks or ()] == [0]
+    finally:
+        strict.close()
 
 
 def test_root_warning() -> None:

@@ -405,7 +405,7 @@ def test_state_of_vanished_names_is_dropped(tmp_path: Path) -> None:
     exporter, source = make_exporter(d)
     try:
         exporter.poll_once()
-        assert len(source._bad_files) == 101 and source._logged
+        assert len(source._spool.bad_files) == 101 and source._sockets.logged
         first = errors_of(exporter)
         assert first["foreign"] == 51 and first["corrupt"] == 50
         for path in planted:
@@ -413,7 +413,7 @@ def test_state_of_vanished_names_is_dropped(tmp_path: Path) -> None:
         os.unlink(d / ("job.r0" + spool.SNAPSHOT_MAP_SUFFIX))
         os.unlink(d / (stem + spool.MANIFEST_SUFFIX))
         exporter.poll_once()
-        assert source._bad_files == {} and source._logged == set()
+        assert source._spool.bad_files == {} and source._sockets.logged == set()
         assert [r.rank for r in exporter.snapshot.ranks] == [0]
         # A name planted again is a new bad file, counted again.
         planted[0].write_bytes(b"garbage")

@@ -240,10 +240,10 @@ class Rig:
 
     def poll(self) -> dict[int, RankState]:
         started = time.monotonic()
-        states = self.source.read_ranks()
+        reading = self.source.collect()
         self.durations.append(time.monotonic() - started)
-        self.errors.update(reason for reason, _ in self.source.errors)
-        return {s.rank: s for s in states}
+        self.errors.update(reason for reason, _ in reading.problems)
+        return {s.rank: s for s in reading.ranks or ()}
 
     def calls(self) -> int:
         return sum(w.calls[pyspy.HANDLER] for w in self.workers)
@@ -340,3 +340,45 @@ def test_hung_py_spy_never_holds_a_poll_and_few_run_at_once(rig) -> None:
     # A poll waits on pings (rank_timeout at most), never on py-spy (plus scheduling slack on a shared machine).
     assert max(r.durations) < r.config.rank_timeout + 0.4, max(r.durations)
     assert all(s.activity.frames_source == FRAMES_RECORDER for s in r.poll().values())
+
+
+# ------------------------------------------------------------------ evidence bundles
+
+
+def test_evidence_reads_culprits_first_their_stacks_and_no_dump_past_the_bound(tmp_path: Path) -> None:
+    from frexporter.analysis import Verdict
+    from frexporter.sources.evidence_capture import read_evidence
+
+    handlers = ("ping", "fr_trace_json", pyspy.HANDLER)
+    ranks = [RankState(job_id="job", rank=r, local_rank=r, world_size=2, hostname="node-a", pid=100 + r,
+                       torch_version="2.13.0", gpu_uuid="", status=RANK_UNRESPONSIVE, heartbeat=None,
+                       heartbeat_age=None, socket_alive=True, pgs=(), socket=f"w{r}.sock", handlers=handlers)
+             for r in (0, 1)]
+    stuck = Verdict(kind="missing_rank", job_id="job", pg="0", pg_desc="default_pg", ranks=(1,), waiting_ranks=(0,),
+                    seq=5, op="all_reduce", since=None, age_seconds=None, timeout_seconds=None, budget_used=None,
+                    summary="rank 1 never joined")
+    shared = {"open": 0, "most": 0}
+
+    def read(answers: dict[str, tuple[int, bytes] | None], stacks: bool) -> tuple[list[tuple[str, int]], list[str]]:
+        workers = [ScriptedWorker(tmp_path / f"w{r}.sock", answers, shared) for r in (0, 1)]
+        notes: list[str] = []
+        try:
+            files = [(f.name, len(f.body)) for f in read_evidence(
+                stuck, ranks, str(tmp_path), stacks=stacks, timeout=2.0, started=time.monotonic(), within=10.0,
+                max_bytes=1 << 30, note=lambda reason, _message: notes.append(reason))]
+        finally:
+            for worker in workers:
+                worker.close()
+            for r in (0, 1):
+                (tmp_path / f"w{r}.sock").unlink()
+        return files, notes
+
+    fr = (200, b'{"entries": []}')
+    files, notes = read({"fr_trace_json": fr, pyspy.HANDLER: (200, WEDGED)}, stacks=True)
+    assert files == [("fr_rank1.json", 15), ("stacks_rank1.txt", len(WEDGED)), ("fr_rank0.json", 15)] and not notes
+    assert read({"fr_trace_json": fr, pyspy.HANDLER: (200, WEDGED)}, stacks=False)[0] == [
+        ("fr_rank1.json", 15), ("fr_rank0.json", 15)]
+    # The stack is read with py-spy's bound, as the ranks source reads it.
+    files, notes = read({"fr_trace_json": fr, pyspy.HANDLER: (200, b"x" * (pyspy.MAX_DUMP_BYTES + 70_000))},
+                        stacks=True)
+    assert [name for name, _ in files] == ["fr_rank1.json", "fr_rank0.json"] and notes == ["oversized"]

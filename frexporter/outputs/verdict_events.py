@@ -27,8 +27,8 @@ from frexporter.outputs.evidence import (
     REASON_RANK_REPEAT,
     REASON_RATE_LIMITED,
     EvidenceWriter,
-    LogLimiter,
 )
+from frexporter.ratelimit import LogLimiter
 
 log = logging.getLogger("frexporter.outputs.verdict_events")
 
@@ -48,7 +48,7 @@ class VerdictEvents:
         self.captures: list[cf.Future[str | None]] = []  # queued or running
         self._recent: dict[Hashable, float] = {}  # a rank's key -> monotonic time of its last capture
         self._started: deque[float] = deque()  # monotonic times of the captures queued in the last interval
-        self._logs = LogLimiter(log, burst=VERDICT_LOG_BURST)
+        self._logs = LogLimiter(log, burst=VERDICT_LOG_BURST, window=LIMIT_INTERVAL)
 
     def __call__(self, snapshot: NodeSnapshot) -> None:
         update = self.tracker.update(snapshot.verdicts, snapshot.time)

@@ -223,7 +223,8 @@ def _pg_series(pg_samples: list[tuple[str, Sample]], chosen: dict[RankKey, Sourc
             skipped.add(f"series whose value is not a whole number from -1 to {ps.MAX_SEQ}",
                         f"{str(s['value'][1])[:EXAMPLE_CHARS]} of {labels.get('__name__', '?')[:EXAMPLE_CHARS]}")
             continue
-        series = pg_series[key + (labels[n.L_PG],)]
+        pg_key = (*key, labels[n.L_PG])
+        series = pg_series[pg_key]
         series[field_name] = value
         series["desc"] = labels.get(n.L_PG_DESC, "")
     return pg_series

@@ -17,20 +17,17 @@ import re
 
 from frexporter import spool
 from frexporter.model import Frame
-from frexporter.sources import worker_client
+from frexporter.sources import worker_handlers
 from frexporter.sources.base import SourceError
 
-HANDLER = "pyspy_dump"
-# torch passes --nonblocking when the parameter is present: py-spy reads the rank's memory without stopping
-# it (a wedged main thread does not move, so the read is consistent; a rank that recovers is not paused).
-QUERY = "nonblocking=1"
+# The handler, its query and its answer bound are in the worker-server table (worker_handlers.PYSPY_DUMP).
+HANDLER = worker_handlers.PYSPY_DUMP.name
+MAX_DUMP_BYTES = worker_handlers.PYSPY_DUMP.max_bytes
 FETCH_TIMEOUT = 5.0  # one fetch, connect to last byte; py-spy itself takes 10-50 ms
 # A wedge gets one fetch when it is first seen, then one per this many seconds while it lasts: the rank may
 # move from one native call to another without releasing the GIL.
 REFRESH_INTERVAL = 60.0
 MAX_CONCURRENT = 2  # fetches in flight, node-wide (each one is a py-spy process in a rank)
-# A dump of a process with 100 threads of 50 frames each is about 400 KB.
-MAX_DUMP_BYTES = 1 << 20
 
 # `reason` values (frexporter_source_errors_total{source="ranks"}), besides worker_client's socket reasons and
 # spool.LIMIT_TEXT (a function or file name past spool.MAX_FRAME_TEXT_CHARS).
@@ -48,7 +45,7 @@ _MAX_FRAME_LINE = 2 * spool.MAX_FRAME_TEXT_CHARS + 32  # indent, " (", ":", a li
 def fetch(path: str, timeout: float = FETCH_TIMEOUT, trust: spool.Trust | None = None) -> tuple[Frame, ...]:
     """The training thread's frames, innermost first, from the rank behind socket ``path``; SourceError."""
     try:
-        body = worker_client.post(path, HANDLER, timeout, QUERY, max_bytes=MAX_DUMP_BYTES, trust=trust)
+        body = worker_handlers.call(path, worker_handlers.PYSPY_DUMP, timeout, trust=trust)
     except SourceError as e:
         if e.reason == "handler_failed":  # py-spy's own message is in it: bounded and repr'd by worker_client
             raise SourceError(REASON_FAILED, f"{e} (is py-spy on the rank's PATH, and ptrace permitted in "

@@ -1,10 +1,9 @@
-"""A tiny HTTP client for torch's C++ worker server on a unix socket.
+"""A tiny HTTP client for torch's C++ worker server on a unix socket: the transport.
 
-Only C++ handlers that answer without the GIL are called from the poll loop
-(``ping``, ``fr_trace_json``, ``dump_nccl_trace_json``). Every request carries
-``Content-Length: 0`` (older torch hangs without it), has a hard deadline for the
-whole exchange (a server that accepts and never answers cannot hold us), and a
-response size cap.
+Which handlers are called, with what query, by whom and how large their answers may be is the table in
+``worker_handlers``. Every request carries ``Content-Length: 0`` (older torch hangs without it), has a hard
+deadline for the whole exchange (a server that accepts and never answers cannot hold us), and a response size
+cap.
 
 The socket's name comes from the spool, which is untrusted: only a socket itself (not a link to one)
 owned as the spool's mode expects is connected to, and the peer must be the socket file's owner before a
@@ -230,7 +229,3 @@ def post_json(path: str, handler: str, timeout: float, query: str = "", trust: s
         return json.loads(body)
     except ValueError as e:
         raise SourceError("bad_response", f"{path}: {handler} returned invalid JSON") from e
-
-
-def ping(path: str, timeout: float, trust: spool.Trust | None = None) -> bool:
-    return post(path, "ping", timeout, trust=trust).strip() == b"pong"

@@ -46,10 +46,11 @@ from frexporter import defaults
 from frexporter.exporter import Exporter
 from frexporter.outputs import exposition
 from frexporter.outputs.api import status_html, status_json
-from frexporter.outputs.evidence import LogLimiter, list_evidence
+from frexporter.outputs.evidence import list_evidence
 from frexporter.outputs.http_server import HttpServerCollector
 from frexporter.outputs.identity import IdentityCollector
 from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.ratelimit import LogLimiter
 from frexporter.web.webconfig import BasicAuth, RateLimit, TLSContextSource, WebConfig
 
 log = logging.getLogger("frexporter.web.server")
