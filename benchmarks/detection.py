@@ -46,7 +46,7 @@ from typing import Any
 
 from frexporter import defaults
 from frexporter import naming as n
-from frexporter.app import App, build_app
+from frexporter.app import App, ServeConfig, build_app
 from frexporter.sources.ranks import RanksConfig
 from frexporter.spool import DEFAULT_SNAPSHOT_INTERVAL
 from tests.harness import Job, wait_for
@@ -156,9 +156,10 @@ class Watched:
             self.job.start()
             self.job.wait_ready()
             since = time.time()
-            self.app = build_app(directory=str(self.job.spool), host="127.0.0.1", port=self.stack.exporter_port,
-                                 poll_interval=self.settings.poll_interval, stuck_after=self.settings.stuck_after,
-                                 deep_interval=self.settings.deep_interval, sources=(n.SOURCE_RANKS,))
+            self.app = build_app(ServeConfig(
+                directory=str(self.job.spool), host="127.0.0.1", port=self.stack.exporter_port,
+                poll_interval=self.settings.poll_interval, stuck_after=self.settings.stuck_after,
+                deep_interval=self.settings.deep_interval, sources=(n.SOURCE_RANKS,)))
             self.app.start()
             self.stack.wait_target_up(since)
             wait_for(lambda: len(self.stack.query(f'{n.RANK_UP}{{job_id="{self.job.job_id}"}} == 1'))

@@ -198,7 +198,7 @@ def nccl_smoke(args: argparse.Namespace) -> int:
         print(f"NCCL smoke not run: {problem}", file=sys.stderr)
         return 3
     from frexporter.analysis import STALLED
-    from frexporter.app import build_app
+    from frexporter.app import ServeConfig, build_app
     from frexporter.model import DURATION_BUCKETS
 
     work = Path(tempfile.mkdtemp(prefix="frexporter-gpu-smoke-"))
@@ -213,8 +213,9 @@ def nccl_smoke(args: argparse.Namespace) -> int:
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_smoke", "--rank-worker", str(spool), str(control),
                              str(port), str(args.steps), str(args.hang_seconds), "1" if args.cpu_dry_run else "0"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    app = build_app(str(spool), port=0, poll_interval=0.5, stuck_after=args.stuck_after, rank_timeout=2.0,
-                    sources=("ranks",) if args.cpu_dry_run else ("ranks", "nvml"), deep_interval=1.0, evidence_dir="")
+    app = build_app(ServeConfig(str(spool), port=0, poll_interval=0.5, stuck_after=args.stuck_after, rank_timeout=2.0,
+                                sources=("ranks",) if args.cpu_dry_run else ("ranks", "nvml"), deep_interval=1.0,
+                                evidence_dir=""))
     started = False
     try:
         _wait("rank ready", (control / "ready").exists, 120, proc)

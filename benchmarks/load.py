@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from frexporter.defaults import WEB_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
+from frexporter import defaults
 from tests import spoolgen
 
 REPO = Path(__file__).resolve().parent.parent
@@ -165,7 +165,7 @@ def run(ranks: int, pgs: int, scrapers: int, procs: int, seconds: float, poll_in
         [sys.executable, "-m", "frexporter", "serve", "--dir", str(directory), "--listen", f"127.0.0.1:{port}",
          "--poll-interval", str(poll_interval), "--no-nvml", "--evidence-dir", "",
          # Room for every scraper: this measures serving them, not refusing them.
-         "--web-max-connections", str(max(DEFAULT_MAX_CONNECTIONS, scrapers + 16))],
+         "--web-max-connections", str(max(defaults.WEB_MAX_CONNECTIONS, scrapers + 16))],
         env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         _wait_ready(port, exporter, log.name)

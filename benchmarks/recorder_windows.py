@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._recorder_common import free_port, t_quantile_975
-from frexporter.defaults import DEEP_READ_SHARE as DEFAULT_DEEP_READ_SHARE
-from frexporter.sources.ranks import DEFAULT_DEEP_INTERVAL, RanksConfig, routine_deep_interval
+from frexporter import defaults
+from frexporter.sources.ranks import RanksConfig, routine_deep_interval
 from frexporter.spool import DEFAULT_SNAPSHOT_INTERVAL
 
 RANK = r"""
@@ -155,9 +155,9 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks (2 fills this 2-core VM)")
     parser.add_argument("--interval", type=float, default=DEFAULT_SNAPSHOT_INTERVAL,
                         help="recorder snapshot interval (longer than the run: no snapshots, only deep reads)")
-    parser.add_argument("--deep-every", type=float, default=DEFAULT_DEEP_INTERVAL,
+    parser.add_argument("--deep-every", type=float, default=defaults.DEEP_INTERVAL,
                         help="seconds of B time between deep reads of every rank (0: none)")
-    parser.add_argument("--deep-share", type=float, default=DEFAULT_DEEP_READ_SHARE,
+    parser.add_argument("--deep-share", type=float, default=defaults.DEEP_READ_SHARE,
                         help="space the reads further apart where they are slow, as the exporter does: at most "
                              "this share of B time (0: exactly --deep-every apart, for the amplified runs)")
     parser.add_argument("--noop", action="store_true",
@@ -307,7 +307,7 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 
 # The default schedule in seconds between events: the recorder's snapshot interval, the exporter's deep interval.
-DEFAULT_EVERY = {"snapshot": DEFAULT_SNAPSHOT_INTERVAL, "deep read": DEFAULT_DEEP_INTERVAL}
+DEFAULT_EVERY = {"snapshot": DEFAULT_SNAPSHOT_INTERVAL, "deep read": defaults.DEEP_INTERVAL}
 
 
 def amplification(snapshots_per_second: float, deep_reads_per_second: float) -> tuple[str, float, float] | None:

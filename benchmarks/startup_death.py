@@ -22,7 +22,7 @@ from pathlib import Path
 
 from frexporter import spool
 from frexporter.analysis.verdicts import RANK_DOWN_KIND
-from frexporter.app import build_app
+from frexporter.app import ServeConfig, build_app
 from tests.harness import Job, wait_for
 
 
@@ -30,8 +30,8 @@ def one_run(workdir: Path, kill_after: float, launcher_env: bool) -> tuple[bool,
     job = Job(workdir, "early_kill", 2, launcher_env=launcher_env,
               env={"FREXPORTER_SNAPSHOT_INTERVAL": str(spool.DEFAULT_SNAPSHOT_INTERVAL),
                    "JOB_KILL_AFTER": str(kill_after)}).start()
-    app = build_app(directory=str(job.spool), host="127.0.0.1", port=0, poll_interval=0.2, rank_timeout=1.0,
-                    sources=("ranks",), stuck_after=2.0, evidence_dir="")
+    app = build_app(ServeConfig(directory=str(job.spool), host="127.0.0.1", port=0, poll_interval=0.2,
+                                rank_timeout=1.0, sources=("ranks",), stuck_after=2.0, evidence_dir=""))
     app.start()
     try:
         def down() -> bool:

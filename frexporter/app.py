@@ -53,87 +53,104 @@ class App:
             self.events.close()
 
 
-def build_app(
-    directory: str,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    poll_interval: float = defaults.POLL_INTERVAL,
-    stuck_after: float = defaults.STUCK_AFTER,
-    stuck_floor: float = defaults.STUCK_FLOOR,
-    stuck_multiple: float = defaults.STUCK_MULTIPLE,
-    rank_timeout: float = defaults.RANK_TIMEOUT,
-    sources: Collection[str] = DEFAULT_SOURCES,
-    deep_interval: float = defaults.DEEP_INTERVAL,
-    otlp_endpoint: str | None = None,
-    otlp_interval: float = defaults.OTLP_INTERVAL,
-    otlp_protocol: str | None = None,
-    evidence_dir: str | None = None,
-    evidence_stacks: bool = False,
-    per_rank_durations: bool = False,
-    nvlink_per_link: bool = False,
-    verdict_confirm_after: float = 0.0,
-    web_config: WebConfig | None = None,
-    debug_endpoints: bool = False,
-    strict_permissions: bool = False,
-    max_connections: int = defaults.WEB_MAX_CONNECTIONS,
-) -> App:
-    """``sources``: names from ``frexporter.sources.SOURCES`` to read. ``evidence_dir``: None for
-    ``<spool>/evidence``, "" to capture no evidence. ``per_rank_durations``: label collective durations and
+@dataclass(frozen=True)
+class ServeConfig:
+    """One exporter process's settings: what ``frexporter serve``'s flags say, built once from them
+    (``cli.serve_config``) and passed whole to ``build_app``. Every default is ``frexporter.defaults``'s, so
+    ``ServeConfig(directory=d)`` is ``serve --dir d`` except where it listens: a config built in code (tests, the
+    demo, benchmarks) serves on loopback, on a free port, where ``serve`` always passes ``--listen``.
+
+    ``sources``: names from ``frexporter.sources.SOURCES`` to read (kept as a frozenset). ``evidence_dir``: None
+    for ``<spool>/evidence``, "" to capture no evidence. ``per_rank_durations``: label collective durations and
     bytes by rank (one histogram per rank, PG and op) instead of summing the node's. ``nvlink_per_link``: NVLink
     error counters per link instead of summed per GPU. ``verdict_confirm_after``: seconds a verdict must persist
     before it is logged and its evidence captured (the verdict is in /metrics and the API at once).
-
-    ``web_config``: TLS and basic auth for every endpoint. ``debug_endpoints`` adds /api/v1/evidence; it
-    raises WebConfigError (a ValueError) on a non-loopback ``host`` unless TLS and authentication are on.
-    ``strict_permissions``: the ranks source stops reading (source down) while the spool is open to others,
-    instead of warning.
     ``stuck_after`` is the ceiling of each PG's learned stuck threshold (``stuck_floor``, ``stuck_multiple``:
-    docs/detection.md).
-    ``max_connections``: open HTTP connections at most; more are closed unserved.
-    ``evidence_stacks``: py-spy stacks (torch's pyspy_dump) of culprits in evidence bundles and of wedged ranks
-    in their activity.
-    ``otlp_endpoint`` without the otlp extra installed raises MissingExtraError.
+    docs/detection.md). ``evidence_stacks``: py-spy stacks (torch's pyspy_dump) of culprits in evidence bundles
+    and of wedged ranks in their activity.
+
+    ``web_config``: TLS and basic auth for every endpoint. ``debug_endpoints`` adds /api/v1/evidence.
+    ``strict_permissions``: the ranks source stops reading (source down) while the spool is open to others,
+    instead of warning. ``max_connections``: open HTTP connections at most; more are closed unserved.
     """
-    if debug_endpoints:
-        check_debug_exposure(host, web_config)
-    if otlp_endpoint:
+
+    directory: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    poll_interval: float = defaults.POLL_INTERVAL
+    stuck_after: float = defaults.STUCK_AFTER
+    stuck_floor: float = defaults.STUCK_FLOOR
+    stuck_multiple: float = defaults.STUCK_MULTIPLE
+    rank_timeout: float = defaults.RANK_TIMEOUT
+    deep_interval: float = defaults.DEEP_INTERVAL
+    sources: Collection[str] = DEFAULT_SOURCES
+    per_rank_durations: bool = False
+    nvlink_per_link: bool = False
+    verdict_confirm_after: float = defaults.VERDICT_CONFIRM_AFTER
+    evidence_dir: str | None = None
+    evidence_stacks: bool = False
+    web_config: WebConfig | None = None
+    debug_endpoints: bool = False
+    strict_permissions: bool = False
+    max_connections: int = defaults.WEB_MAX_CONNECTIONS
+    otlp_endpoint: str | None = None
+    otlp_interval: float = defaults.OTLP_INTERVAL
+    otlp_protocol: str | None = None  # None: from the endpoint's scheme
+
+    def __post_init__(self) -> None:
+        # A frozenset, so that a config compares equal however its sources were listed (flags give a list).
+        sources = frozenset(self.sources)
+        object.__setattr__(self, "sources", sources)
+        unknown = sources - {s.name for s in SOURCES}
+        if unknown:
+            raise ValueError(f"unknown sources: {', '.join(sorted(unknown))}")
+
+
+def build_app(config: ServeConfig) -> App:
+    """The exporter ``config`` describes, not started yet (``App.start``).
+
+    ``debug_endpoints`` on a non-loopback ``host`` raises WebConfigError (a ValueError) unless TLS and
+    authentication are on; ``otlp_endpoint`` without the otlp extra installed raises MissingExtraError; a port
+    that cannot be bound raises OSError.
+    """
+    if config.debug_endpoints:
+        check_debug_exposure(config.host, config.web_config)
+    if config.otlp_endpoint:
         extras.require(extras.OTLP, "--otlp-endpoint")
-    ranks = RanksSource(
-        RanksConfig(
-            directory=directory, poll_interval=poll_interval, rank_timeout=rank_timeout, deep_interval=deep_interval,
-            per_rank_durations=per_rank_durations, strict_permissions=strict_permissions,
-            wedged_stacks=evidence_stacks,
-            thresholds=ThresholdConfig(ceiling=stuck_after, floor=stuck_floor, multiple=stuck_multiple),
-        )
-    )
-    unknown = set(sources) - {s.name for s in SOURCES}
-    if unknown:
-        raise ValueError(f"unknown sources: {', '.join(sorted(unknown))}")
     polled: list[tuple[Source, float]] = []
-    if naming.SOURCE_RANKS in sources:
-        polled.append((ranks, poll_interval))
-    if naming.SOURCE_NVML in sources:
+    if naming.SOURCE_RANKS in config.sources:
+        ranks = RanksConfig(
+            directory=config.directory, poll_interval=config.poll_interval, rank_timeout=config.rank_timeout,
+            deep_interval=config.deep_interval, per_rank_durations=config.per_rank_durations,
+            strict_permissions=config.strict_permissions, wedged_stacks=config.evidence_stacks,
+            thresholds=ThresholdConfig(ceiling=config.stuck_after, floor=config.stuck_floor,
+                                       multiple=config.stuck_multiple),
+        )
+        polled.append((RanksSource(ranks), config.poll_interval))
+    if naming.SOURCE_NVML in config.sources:
         from frexporter.sources.nvml import NvmlSource
 
-        polled.append((NvmlSource(), max(poll_interval, defaults.NVML_INTERVAL)))
-    exporter = Exporter(polled, poll_interval=poll_interval,
-                        analyzer=make_analyzer(VerdictConfig(stuck_after=stuck_after)))
+        polled.append((NvmlSource(), max(config.poll_interval, defaults.NVML_INTERVAL)))
+    exporter = Exporter(polled, poll_interval=config.poll_interval,
+                        analyzer=make_analyzer(VerdictConfig(stuck_after=config.stuck_after)))
     evidence = None
     target = ""
-    if evidence_dir != "":
-        target = evidence_dir or os.path.join(directory, spool.EVIDENCE_DIRNAME)
-        evidence = EvidenceWriter(EvidenceConfig(directory=target, stacks=evidence_stacks))
-    events = VerdictEvents(directory, evidence, confirm_after=verdict_confirm_after)
+    if config.evidence_dir != "":
+        target = config.evidence_dir or os.path.join(config.directory, spool.EVIDENCE_DIRNAME)
+        evidence = EvidenceWriter(EvidenceConfig(directory=target, stacks=config.evidence_stacks))
+    events = VerdictEvents(config.directory, evidence, confirm_after=config.verdict_confirm_after)
     exporter.poll_listeners.append(events)
     if evidence is not None:
         exporter.output_statuses.append(events.status)
     otlp = None
-    if otlp_endpoint:  # before the server binds: a bad endpoint must not leave a listening socket behind
+    if config.otlp_endpoint:  # before the server binds: a bad endpoint must not leave a listening socket behind
         from frexporter.outputs.otlp import OtlpPusher
 
-        otlp = OtlpPusher(otlp_endpoint, interval=otlp_interval, protocol=otlp_protocol, hostname=exporter.hostname)
+        otlp = OtlpPusher(config.otlp_endpoint, interval=config.otlp_interval, protocol=config.otlp_protocol,
+                          hostname=exporter.hostname)
         exporter.poll_listeners.append(otlp.observe)
         exporter.output_statuses.append(otlp.status)
-    server = MetricsServer(exporter, host, port, web_config=web_config, debug_endpoints=debug_endpoints,
-                           evidence_dir=target, nvlink_per_link=nvlink_per_link, max_connections=max_connections)
+    server = MetricsServer(exporter, config.host, config.port, web_config=config.web_config,
+                           debug_endpoints=config.debug_endpoints, evidence_dir=target,
+                           nvlink_per_link=config.nvlink_per_link, max_connections=config.max_connections)
     return App(exporter=exporter, server=server, otlp=otlp, events=events)

@@ -9,18 +9,16 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from frexporter import __version__, defaults, extras, safetext, spool
 from frexporter import naming as n
 from frexporter.sources import SOURCES
 
-DEFAULT_LISTEN = defaults.LISTEN
-DEFAULT_POLL_INTERVAL = defaults.POLL_INTERVAL
-DEFAULT_STUCK_AFTER = defaults.STUCK_AFTER
-DEFAULT_RANK_TIMEOUT = defaults.RANK_TIMEOUT
-DEFAULT_DEEP_INTERVAL = defaults.DEEP_INTERVAL
-DEFAULT_MAX_CONNECTIONS = defaults.WEB_MAX_CONNECTIONS
+if TYPE_CHECKING:
+    from frexporter.app import ServeConfig
+    from frexporter.web.webconfig import WebConfig
+
 SPOOL_RECHECK_SECONDS = 1.0
 
 
@@ -88,30 +86,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dir", default=None,
                        help="spool directory the ranks publish to (default: $FREXPORTER_DIR, else "
                             "frexporter-$UID under the system temp dir)")
-    serve.add_argument("--listen", type=parse_listen, default=parse_listen(DEFAULT_LISTEN),
-                       metavar="HOST:PORT", help=f"address for HTTP (default {DEFAULT_LISTEN})")
-    serve.add_argument("--poll-interval", type=_positive, default=DEFAULT_POLL_INTERVAL, metavar="SECONDS",
-                       help=f"how often ranks are read, independent of scrapes (default {DEFAULT_POLL_INTERVAL})")
-    serve.add_argument("--stuck-after", type=_positive, default=DEFAULT_STUCK_AFTER, metavar="SECONDS",
+    serve.add_argument("--listen", type=parse_listen, default=parse_listen(defaults.LISTEN),
+                       metavar="HOST:PORT", help=f"address for HTTP (default {defaults.LISTEN})")
+    serve.add_argument("--poll-interval", type=_positive, default=defaults.POLL_INTERVAL, metavar="SECONDS",
+                       help=f"how often ranks are read, independent of scrapes (default {defaults.POLL_INTERVAL})")
+    serve.add_argument("--stuck-after", type=_positive, default=defaults.STUCK_AFTER, metavar="SECONDS",
                        help="how long a collective may wait on missing ranks before it is a verdict: the "
                             "ceiling of each process group's learned threshold, and the threshold until one is "
-                            f"learned (default {DEFAULT_STUCK_AFTER:.0f})")
+                            f"learned (default {defaults.STUCK_AFTER:.0f})")
     serve.add_argument("--stuck-floor", type=_non_negative, default=defaults.STUCK_FLOOR, metavar="SECONDS",
                        help="the shortest learned stuck threshold, whatever a process group's history says "
                             f"(default {defaults.STUCK_FLOOR:.0f})")
     serve.add_argument("--stuck-multiple", type=_positive, default=defaults.STUCK_MULTIPLE, metavar="FACTOR",
                        help="learned stuck threshold = this x the process group's high quantile of waits and "
                             f"gaps between completions (default {defaults.STUCK_MULTIPLE:g})")
-    serve.add_argument("--rank-timeout", type=_positive, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
-                       help=f"longest one rank's socket may take per poll (default {DEFAULT_RANK_TIMEOUT})")
-    serve.add_argument("--deep-interval", type=_non_negative, default=DEFAULT_DEEP_INTERVAL, metavar="SECONDS",
+    serve.add_argument("--rank-timeout", type=_positive, default=defaults.RANK_TIMEOUT, metavar="SECONDS",
+                       help=f"longest one rank's socket may take per poll (default {defaults.RANK_TIMEOUT})")
+    serve.add_argument("--deep-interval", type=_non_negative, default=defaults.DEEP_INTERVAL, metavar="SECONDS",
                        help="least time between routine reads of a busy rank's Flight Recorder ring over its "
                             "socket, which feed collective bytes, durations and straggler scores; work that "
                             "stops moving is read at once whatever this says. Each read of a full ring costs "
                             "the rank ~20 ms of CPU in torch's worker server; where reads take longer (a slow "
                             "node, a larger ring) they are spaced so as to take at most "
                             f"{defaults.DEEP_READ_SHARE * 100:g} %% of the rank's time. 0: whenever values move "
-                            f"(default {DEFAULT_DEEP_INTERVAL:g})")
+                            f"(default {defaults.DEEP_INTERVAL:g})")
     for info in SOURCES:
         serve.add_argument(f"--source.{info.name}", dest=f"source_{info.name}", action=argparse.BooleanOptionalAction,
                            default=info.enabled_by_default,
@@ -123,9 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "instead of summing the node's ranks; multiplies those series by the ranks per node")
     serve.add_argument("--nvml.nvlink-per-link", dest="nvlink_per_link", action="store_true",
                        help="NVLink error counters per link (18 links x 4 types per GPU) instead of per GPU")
-    serve.add_argument("--verdict-confirm-after", type=_non_negative, default=0.0, metavar="SECONDS",
+    serve.add_argument("--verdict-confirm-after", type=_non_negative, default=defaults.VERDICT_CONFIRM_AFTER,
+                       metavar="SECONDS",
                        help="how long a verdict must persist before it is logged and its evidence captured; it is "
-                            "in /metrics and /api/v1/status at once (default 0)")
+                            f"in /metrics and /api/v1/status at once (default {defaults.VERDICT_CONFIRM_AFTER:g})")
     serve.add_argument("--evidence-dir", default=None, metavar="DIR",
                        help="where evidence bundles go when a verdict appears (default: <spool>/evidence; "
                             "'' to disable)")
@@ -136,10 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--web-config", default=None, metavar="FILE",
                        help="TLS and basic auth for every endpoint, from a Prometheus exporter-toolkit web config "
                             "file (tls_server_config, basic_auth_users, http_server_config); see SECURITY.md")
-    serve.add_argument("--web-max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+    serve.add_argument("--web-max-connections", type=_positive_int, default=defaults.WEB_MAX_CONNECTIONS, metavar="N",
                        help="open HTTP connections at most, kept-alive ones included; more are closed unserved "
                             f"(a 503 over plain HTTP) and counted in {n.HTTP_CONNECTIONS_REJECTED_TOTAL} "
-                            f"(default {DEFAULT_MAX_CONNECTIONS})")
+                            f"(default {defaults.WEB_MAX_CONNECTIONS})")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve /api/v1/evidence (the evidence bundles and their verdicts); refused on a "
                             "non-loopback --listen unless --web-config sets up TLS and authentication")
@@ -175,11 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--stuck-after", type=float, default=None, metavar="SECONDS",
                          help="wait before a collective counts as stuck (default: 0 for dumps; for Prometheus "
                               "the thresholds the exporters export, as the alert rules use them, and "
-                              f"{DEFAULT_STUCK_AFTER:.0f} where none is exported); a number caps them")
+                              f"{defaults.STUCK_AFTER:.0f} where none is exported); a number caps them")
     analyze.add_argument("--json", action="store_true", help="print the verdicts as a JSON list")
 
     demo = sub.add_parser("demo", help="a local 4-rank CPU job with an injected hang, watched by the exporter")
-    demo.add_argument("--ranks", type=int, default=4, help="number of gloo ranks (default 4)")
+    demo.add_argument("--ranks", type=int, default=defaults.DEMO_RANKS,
+                      help=f"number of gloo ranks (default {defaults.DEMO_RANKS})")
     demo.add_argument("--keep", action="store_true", help="keep the spool directory for inspection")
     return parser
 
@@ -247,11 +247,6 @@ def _serve(args: argparse.Namespace) -> int:
     warning = root_warning(os.geteuid())
     if warning:
         log.warning("%s", warning)
-    directory = args.dir or spool.default_dir()
-    spool_pending = not os.path.isdir(directory)
-    if spool_pending:
-        print(f"frexporter: spool directory {directory} does not exist yet; waiting for ranks to create it",
-              file=sys.stderr)
     web_config = None
     if args.web_config:
         from frexporter.web.webconfig import WebConfigError, load_web_config
@@ -264,21 +259,14 @@ def _serve(args: argparse.Namespace) -> int:
         if web_config.basic_auth_users and web_config.tls is None:
             log.warning("%s has basic_auth_users but no tls_server_config: passwords cross the network in clear "
                         "text", args.web_config)
-    host, port = args.listen
+    config = serve_config(args, web_config)
+    if not os.path.isdir(config.directory):
+        print(f"frexporter: spool directory {config.directory} does not exist yet; waiting for ranks to create it",
+              file=sys.stderr)
     try:
-        app = build_app(directory=directory, host=host, port=port, poll_interval=args.poll_interval,
-                        stuck_after=args.stuck_after, rank_timeout=args.rank_timeout,
-                        stuck_floor=args.stuck_floor, stuck_multiple=args.stuck_multiple,
-                        sources=[info.name for info in SOURCES if getattr(args, f"source_{info.name}")],
-                        deep_interval=args.deep_interval, per_rank_durations=args.per_rank_durations,
-                        nvlink_per_link=args.nvlink_per_link, verdict_confirm_after=args.verdict_confirm_after,
-                        otlp_endpoint=args.otlp_endpoint, otlp_interval=args.otlp_interval,
-                        otlp_protocol=args.otlp_protocol, evidence_dir=args.evidence_dir,
-                        evidence_stacks=args.evidence_stacks, web_config=web_config,
-                        debug_endpoints=args.enable_debug_endpoints, strict_permissions=args.strict_permissions,
-                        max_connections=args.web_max_connections)
+        app = build_app(config)
     except OSError as e:
-        print(f"frexporter: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
+        print(f"frexporter: cannot listen on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr)
         return 1
     except ValueError as e:  # OtlpConfigError, or WebConfigError: debug endpoints exposed without TLS and auth
         print(f"frexporter: {e}", file=sys.stderr)
@@ -287,10 +275,10 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     app.start()
-    log.info("serving on %s://%s:%d/ (spool %s)", app.server.scheme, host, app.port, directory)
+    log.info("serving on %s://%s:%d/ (spool %s)", app.server.scheme, config.host, app.port, config.directory)
     # --strict-permissions: the ranks source judges the spool; one it refuses on its first read (at start, or once
     # a sidecar's trainer created it) is a refusal to run.
-    watching = args.strict_permissions
+    watching = config.strict_permissions
     while True:
         if watching:
             refusal, watching = _first_read_refusal(app)
@@ -302,6 +290,23 @@ def _serve(args: argparse.Namespace) -> int:
             break
     app.stop()
     return 0
+
+
+def serve_config(args: argparse.Namespace, web_config: WebConfig | None = None) -> ServeConfig:
+    """The one ``ServeConfig`` of ``serve``'s parsed flags (``web_config``: the loaded ``--web-config``)."""
+    from frexporter.app import ServeConfig
+
+    host, port = args.listen
+    return ServeConfig(
+        directory=args.dir or spool.default_dir(), host=host, port=port, poll_interval=args.poll_interval,
+        stuck_after=args.stuck_after, stuck_floor=args.stuck_floor, stuck_multiple=args.stuck_multiple,
+        rank_timeout=args.rank_timeout, deep_interval=args.deep_interval,
+        sources=[info.name for info in SOURCES if getattr(args, f"source_{info.name}")],
+        per_rank_durations=args.per_rank_durations, nvlink_per_link=args.nvlink_per_link,
+        verdict_confirm_after=args.verdict_confirm_after, evidence_dir=args.evidence_dir,
+        evidence_stacks=args.evidence_stacks, web_config=web_config, debug_endpoints=args.enable_debug_endpoints,
+        strict_permissions=args.strict_permissions, max_connections=args.web_max_connections,
+        otlp_endpoint=args.otlp_endpoint, otlp_interval=args.otlp_interval, otlp_protocol=args.otlp_protocol)
 
 
 def root_warning(euid: int) -> str | None:

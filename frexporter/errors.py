@@ -1,8 +1,9 @@
 """The one failure shape of frexporter: a bounded ``reason`` and a message for people.
 
-``reason`` is a short token from a small fixed set (it becomes the ``reason`` label of
-``frexporter_source_errors_total``), so a caller counts any of these failures the same way
-without converting one kind into another.
+``reason`` is a short token from the fixed set in ``frexporter.reasons`` (it becomes the ``reason``
+label of ``frexporter_source_errors_total``), so a caller counts any of these failures the same way
+without converting one kind into another. Pass the constant, never a literal: tests/test_reasons.py
+fails on a literal.
 """
 
 from __future__ import annotations

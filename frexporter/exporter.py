@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from frexporter import defaults
+from frexporter import defaults, reasons
 from frexporter.errors import FrexporterError
 from frexporter.model import CollectiveStats, GpuReading, NodeSnapshot, RankState, SourceStatus
 from frexporter.sources.base import Reading, Source
@@ -163,7 +163,7 @@ class Exporter:
             self._down(track, e.reason, str(e))
             return
         except Exception as e:  # a bug in one source must not take the others down
-            self._down(track, "internal", f"{type(e).__name__}: {e}")
+            self._down(track, reasons.INTERNAL, f"{type(e).__name__}: {e}")
             log.debug("source %s raised", track.source.name, exc_info=True)
             return
         finally:

@@ -23,6 +23,15 @@ RANK_UNRESPONSIVE = "unresponsive"  # heartbeat stale but the C++ worker server 
 RANK_DOWN = "down"  # heartbeat stale and the socket is dead
 RANK_EXITED = "exited"  # the recorder said goodbye (clean interpreter exit)
 
+# A rank's lifecycle, as its recorder states it in the manifest and in every snapshot (``state``); spelled once
+# here for the recorder that writes it, the spool parsers that check it and the sources that read it. Liveness
+# (RANK_* above) is the exporter's judgement; this is what the rank says of itself.
+STATE_STARTING = "starting"  # install() ran, no process group yet (blocked in or before init_process_group)
+STATE_RUNNING = "running"  # identified by its default process group; its snapshots carry every recorder
+STATE_EXITING = "exiting"  # last words: the interpreter exits cleanly (the exporter judges the rank exited)
+STATE_STOPPED = "stopped"  # last words: the recorder thread died; the rank may train on, unwatched
+MANIFEST_STATES = (STATE_STARTING, STATE_RUNNING)  # a manifest with any other state is refused
+
 
 @functools.total_ordering
 class Members(Sequence[int]):
@@ -250,9 +259,7 @@ class RankState:
     last_deep_read: float | None = None
     socket: str = ""  # worker-server socket file name in the spool directory ("" when off)
     handlers: tuple[str, ...] = ()  # worker-server handlers this rank's torch offers
-    # "starting": the recorder runs, the rank has no process group yet (blocked in or before
-    # init_process_group); "running": identified by its default process group.
-    state: str = "running"
+    state: str = STATE_RUNNING  # its manifest's: STATE_STARTING or STATE_RUNNING
     start_time: float = 0.0  # unix seconds the recorder started in this rank
     # Global ranks its launcher started on this rank's node (this one included); () when it did not say.
     node_ranks: tuple[int, ...] = ()

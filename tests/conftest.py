@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from frexporter.app import App, build_app
+from frexporter.app import App, ServeConfig, build_app
 from tests.harness import REQUIRE_TOOLS_ENV, Job, tools_required
 
 pytest_plugins = ["tests.promstack"]
@@ -79,7 +79,7 @@ def exporter_factory() -> Iterator:
     def make(directory: Path, **kw: object) -> RunningExporter:
         options = {"port": 0, "poll_interval": 0.2, "rank_timeout": 1.0, "sources": ("ranks",), "deep_interval": 1.0}
         options.update(kw)
-        app = build_app(directory=str(directory), host="127.0.0.1", **options)  # type: ignore[arg-type]
+        app = build_app(ServeConfig(directory=str(directory), host="127.0.0.1", **options))  # type: ignore[arg-type]
         app.start()
         apps.append(app)
         return RunningExporter(app)

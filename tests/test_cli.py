@@ -152,8 +152,8 @@ def test_otlp_endpoint_without_the_otlp_extra_names_the_pip_command(tmp_path: Pa
         "frexporter: frexporter serve --otlp-endpoint needs the 'otlp' extra (opentelemetry.sdk is not installed): "
         "pip install 'frexporter[otlp]'"]
     # Without --otlp-endpoint the exporter runs, and nothing on its path imports OpenTelemetry.
-    serve = ("from frexporter.app import build_app\n"
-             "app = build_app(directory=sys.argv[1], port=0, sources=('ranks',), evidence_dir='')\n"
+    serve = ("from frexporter.app import ServeConfig, build_app\n"
+             "app = build_app(ServeConfig(directory=sys.argv[1], port=0, sources=('ranks',), evidence_dir=''))\n"
              "app.start()\n"
              "app.stop()\n"
              "print(sorted(m for m, v in sys.modules.items() if v is not None and m.startswith('opentelemetry')))\n")

@@ -25,7 +25,7 @@ import pytest
 
 from frexporter import naming as n
 from frexporter import spool
-from frexporter.app import build_app
+from frexporter.app import ServeConfig, build_app
 from frexporter.fr import trace
 from frexporter.sources.base import SourceError
 from tests import spoolgen
@@ -139,7 +139,7 @@ def test_a_lone_surrogate_costs_one_repaired_string_not_the_node(short_tmp: Path
     manifest_fields, snapshot_fields, op = SURROGATE_FIELDS[field]
     spoolgen.write_rank(short_tmp, "other", 1)  # a healthy neighbour whose series must stay
     worker = _rank_with_socket(short_tmp, _fr_answer_with_op(op), manifest_fields, snapshot_fields)
-    app = build_app(str(short_tmp), port=0, poll_interval=0.2, sources=["ranks"], evidence_dir="")
+    app = build_app(ServeConfig(str(short_tmp), port=0, poll_interval=0.2, sources=["ranks"], evidence_dir=""))
     try:
         app.start()
         app.exporter.poll_once()
@@ -171,7 +171,7 @@ def test_real_ranks_with_a_latin1_job_id(tmp_path: Path) -> None:
     try:
         job.wait_ready()
         expected = "train-\\xe9t\\xe9"
-        app = build_app(str(job.spool), port=0, poll_interval=0.2, sources=["ranks"], evidence_dir="")
+        app = build_app(ServeConfig(str(job.spool), port=0, poll_interval=0.2, sources=["ranks"], evidence_dir=""))
         try:
             app.start()
 

@@ -5,8 +5,9 @@ parsed with ``ast``, never imported, and every import it makes, at module level,
 Bottom to top (a layer may import itself and the layers listed before it):
 
     base        frexporter (the version), frexporter.naming, frexporter.model, frexporter.defaults,
-                frexporter.errors, frexporter.extras, frexporter.safetext, frexporter.ratelimit: names, types,
-                defaults, the error shape, extras, text made safe, rate-limited log lines
+                frexporter.errors, frexporter.reasons, frexporter.extras, frexporter.safetext,
+                frexporter.ratelimit: names, types, defaults, the error shape and its reasons, extras, text
+                made safe, rate-limited log lines
     spool       frexporter.spool (a module or a package): the on-disk contract between recorder and exporter
     fr          frexporter.fr: Flight Recorder dumps and the sequence domain
     sources     frexporter.sources: spool, sockets and NVML to model objects
@@ -43,7 +44,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "frexporter"
 ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     # and the bare package (ROOT)
     ("base", ("frexporter.naming", "frexporter.model", "frexporter.defaults", "frexporter.errors",
-              "frexporter.extras", "frexporter.safetext", "frexporter.ratelimit")),
+              "frexporter.reasons", "frexporter.extras", "frexporter.safetext", "frexporter.ratelimit")),
     ("spool", ("frexporter.spool",)),
     ("fr", ("frexporter.fr",)),
     ("sources", ("frexporter.sources",)),
@@ -277,6 +278,7 @@ def test_only_the_cli_exits() -> None:
     ("frexporter.sources.ranks", "sources"),
     ("frexporter.sources.ranks.liveness", "sources"),  # sources/ranks/ as a package
     ("frexporter.ratelimit", "base"),
+    ("frexporter.reasons", "base"),
     ("frexporter.analysis", "analysis"),
     ("frexporter.exporter", "exporter"),
     ("frexporter.outputs.otlp", "outputs"),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from frexporter import naming as n
-from frexporter.app import build_app
+from frexporter.app import ServeConfig, build_app
 from frexporter.outputs import exposition
 from tests import spoolgen
 
@@ -21,7 +21,8 @@ def test_concurrent_scrapes_render_once_per_snapshot(tmp_path: Path, monkeypatch
     real = exposition.encode
     monkeypatch.setattr(exposition, "encode", lambda registry: renders.append(1) or real(registry))
     # A poll interval far longer than the test: every scrape sees the snapshot taken at start.
-    app = build_app(directory=str(tmp_path), port=0, poll_interval=3600, sources=(n.SOURCE_RANKS,), evidence_dir="")
+    app = build_app(ServeConfig(directory=str(tmp_path), port=0, poll_interval=3600, sources=(n.SOURCE_RANKS,),
+                                evidence_dir=""))
     app.start()
     bodies: list[bytes] = []
     try:

@@ -27,7 +27,7 @@ import pytest
 
 from frexporter import cli, spool
 from frexporter import naming as n
-from frexporter.app import build_app
+from frexporter.app import ServeConfig, build_app
 from frexporter.web import webconfig
 from frexporter.web.webconfig import BasicAuth, WebConfig, WebConfigError, check_debug_exposure, is_loopback
 from tests import spoolgen
@@ -447,11 +447,12 @@ def test_debug_endpoints_refused_when_exposed_without_tls_and_auth(pki: PKI, hos
 
 def test_debug_endpoints_on_all_addresses_with_tls_and_auth(pki: PKI, spool_dir: Path) -> None:
     with pytest.raises(WebConfigError):
-        build_app(directory=str(spool_dir), host="0.0.0.0", port=0, sources=(n.SOURCE_RANKS,), debug_endpoints=True)
+        build_app(ServeConfig(directory=str(spool_dir), host="0.0.0.0", port=0, sources=(n.SOURCE_RANKS,),
+                              debug_endpoints=True))
     config = webconfig.load_web_config(str(write_config(pki.dir, tls_config(
         pki, f"basic_auth_users:\n  prometheus: '{HASH}'\n"))))
-    app = build_app(directory=str(spool_dir), host="0.0.0.0", port=0, sources=(n.SOURCE_RANKS,), poll_interval=0.2,
-                    web_config=config, debug_endpoints=True)
+    app = build_app(ServeConfig(directory=str(spool_dir), host="0.0.0.0", port=0, sources=(n.SOURCE_RANKS,),
+                                poll_interval=0.2, web_config=config, debug_endpoints=True))
     app.start()
     try:
         url = f"https://127.0.0.1:{app.port}/api/v1/evidence"
@@ -677,8 +678,8 @@ def test_stop_closes_kept_alive_tls_connections(pki: PKI, spool_dir: Path) -> No
     import http.client
 
     config = webconfig.load_web_config(str(write_config(pki.dir, tls_config(pki))))
-    app = build_app(directory=str(spool_dir), host="127.0.0.1", port=0, sources=(n.SOURCE_RANKS,), poll_interval=0.2,
-                    web_config=config)
+    app = build_app(ServeConfig(directory=str(spool_dir), host="127.0.0.1", port=0, sources=(n.SOURCE_RANKS,),
+                                poll_interval=0.2, web_config=config))
     app.start()
     conn = http.client.HTTPSConnection("127.0.0.1", app.port, context=client_context(pki), timeout=10)
     try:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from frexporter import cli, defaults
 from frexporter import naming as n
-from frexporter.app import build_app
+from frexporter.app import ServeConfig, build_app
 from frexporter.exporter import Exporter
 from frexporter.outputs.prometheus import SnapshotCollector
 from frexporter.sources import DEFAULT_SOURCES, SOURCES
@@ -33,11 +33,16 @@ def test_every_registered_source_has_an_on_and_off_flag() -> None:
     assert _serve_args("--no-nvml").source_nvml is False  # the older spelling stays
 
 
-def test_serve_defaults_come_from_one_place() -> None:
-    args = _serve_args()
+def test_serve_defaults_come_from_one_place(tmp_path: Path) -> None:
+    args = _serve_args("--dir", str(tmp_path))
     assert (args.poll_interval, args.stuck_after, args.rank_timeout, args.deep_interval, args.otlp_interval) == (
         defaults.POLL_INTERVAL, defaults.STUCK_AFTER, defaults.RANK_TIMEOUT, defaults.DEEP_INTERVAL,
         defaults.OTLP_INTERVAL)
+    # The flags' defaults and ServeConfig's are the same, field for field: only where it listens differs (a
+    # config built in code serves on a free loopback port).
+    host, port = cli.parse_listen(defaults.LISTEN)
+    assert cli.serve_config(args) == ServeConfig(directory=str(tmp_path), host=host, port=port)
+    assert cli.serve_config(_serve_args("--dir", str(tmp_path), "--no-source.nvml")).sources == {n.SOURCE_RANKS}
 
 
 def _sources(exporter: Exporter) -> dict[str, object]:
@@ -45,8 +50,8 @@ def _sources(exporter: Exporter) -> dict[str, object]:
 
 
 def test_build_app_creates_only_the_enabled_sources_and_wires_their_options(tmp_path: Path) -> None:
-    app = build_app(str(tmp_path), sources=(n.SOURCE_RANKS,), per_rank_durations=True, evidence_dir="",
-                    verdict_confirm_after=7.0)
+    app = build_app(ServeConfig(str(tmp_path), sources=(n.SOURCE_RANKS,), per_rank_durations=True, evidence_dir="",
+                                verdict_confirm_after=7.0))
     try:
         sources = _sources(app.exporter)
         assert set(sources) == {n.SOURCE_RANKS}
@@ -55,13 +60,13 @@ def test_build_app_creates_only_the_enabled_sources_and_wires_their_options(tmp_
         assert app.events is not None and app.events.tracker.confirm_after == 7.0
     finally:
         app.stop()
-    app = build_app(str(tmp_path), sources=(n.SOURCE_RANKS, n.SOURCE_NVML), evidence_dir="")
+    app = build_app(ServeConfig(str(tmp_path), sources=(n.SOURCE_RANKS, n.SOURCE_NVML), evidence_dir=""))
     try:
         assert isinstance(_sources(app.exporter)[n.SOURCE_NVML], NvmlSource)
     finally:
         app.stop()
     with pytest.raises(ValueError, match="unknown sources: gpu"):
-        build_app(str(tmp_path), sources=("gpu",), evidence_dir="")
+        build_app(ServeConfig(str(tmp_path), sources=("gpu",), evidence_dir=""))
 
 
 @pytest.mark.parametrize("per_link", [False, True])

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from frexporter import naming as n
-from frexporter.app import build_app
+from frexporter.app import ServeConfig, build_app
 from frexporter.model import NodeSnapshot
 from tests.harness import REPO, metrics, sample, wait_for
 
@@ -69,8 +69,9 @@ def test_healthy_job_with_skew_below_threshold_has_no_verdict(job_factory) -> No
     job.wait_ready()
     stuck_after, poll_interval, rank_timeout = 2.0, 0.2, 1.0
     observe = 2 * stuck_after  # long enough for a false stall to become a verdict, twice over
-    app = build_app(directory=str(job.spool), port=0, poll_interval=poll_interval, rank_timeout=rank_timeout,
-                    sources=(n.SOURCE_RANKS,), deep_interval=1.0, stuck_after=stuck_after, evidence_dir="")
+    app = build_app(ServeConfig(directory=str(job.spool), port=0, poll_interval=poll_interval,
+                                rank_timeout=rank_timeout, sources=(n.SOURCE_RANKS,), deep_interval=1.0,
+                                stuck_after=stuck_after, evidence_dir=""))
     polls: list[NodeSnapshot] = []
     app.exporter.poll_listeners.append(polls.append)  # every poll from the first, not only the latest
 
@@ -127,8 +128,8 @@ def test_exporter_restarted_during_a_hang_has_the_verdict_back_within_two_polls(
     wait_for(lambda: first.snapshot.verdicts, timeout=20, what="a verdict")
     first.app.stop()
 
-    app = build_app(directory=str(job.spool), port=0, poll_interval=0.2, rank_timeout=1.0, sources=(n.SOURCE_RANKS,),
-                    stuck_after=2.0, evidence_dir="")
+    app = build_app(ServeConfig(directory=str(job.spool), port=0, poll_interval=0.2, rank_timeout=1.0,
+                                sources=(n.SOURCE_RANKS,), stuck_after=2.0, evidence_dir=""))
     verdicts_per_poll: list[tuple] = []
     app.exporter.poll_listeners.append(lambda snap: verdicts_per_poll.append(snap.verdicts))
     app.start()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from frexporter.analysis.tracker import TrackerUpdate, VerdictKey, VerdictTracker, verdict_key
 from frexporter.analysis.verdicts import (
-    DEFAULT_STUCK_AFTER,
     KINDS,
     MISMATCH_KIND,
     MISSING_RANK,
@@ -31,7 +30,6 @@ from frexporter.analysis.verdicts import (
 )
 
 __all__ = [
-    "DEFAULT_STUCK_AFTER",
     "KINDS",
     "MISMATCH_KIND",
     "MISSING_RANK",

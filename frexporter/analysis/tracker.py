@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from frexporter import defaults
 from frexporter.analysis.verdicts import Verdict, verdict_sort_key
 
 VerdictKey = tuple[str, str, str, int, tuple[int, ...]]
@@ -37,7 +38,7 @@ class _Seen:
 
 
 class VerdictTracker:
-    def __init__(self, confirm_after: float = 0.0, clear_after: float = 0.0) -> None:
+    def __init__(self, confirm_after: float = defaults.VERDICT_CONFIRM_AFTER, clear_after: float = 0.0) -> None:
         self.confirm_after = confirm_after
         self.clear_after = clear_after
         self._pending: dict[VerdictKey, _Seen] = {}

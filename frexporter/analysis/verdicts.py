@@ -51,6 +51,7 @@ from frexporter.model import (
     RANK_DOWN,
     RANK_OK,
     RANK_UNRESPONSIVE,
+    STATE_STARTING,
     InflightCollective,
     NodeSnapshot,
     PGState,
@@ -68,13 +69,12 @@ STRAGGLER = "straggler"  # a rank consistently late to a PG's collectives (PGSta
 # recorder failed) or vanished, while its local peers wait for it in init_process_group or a collective.
 RANK_ABSENT = "rank_absent"
 KINDS = (MISSING_RANK, MISMATCH_KIND, STALLED, RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND, STRAGGLER, RANK_ABSENT)
-STARTING = "starting"  # RankState.state of a rank without a process group yet
+STARTING = STATE_STARTING  # RankState.state of a rank without a process group yet
 # Post-mortem only (`analyze DIR`, from whole dumps; see ``history``): not hangs, never live verdicts.
 PAST_MISMATCH = "past_mismatch"  # a collective that completed although its ranks disagreed on it
 LAGGING_RANK = "lagging_rank"  # a rank still at a collective its peers saw complete
 POST_MORTEM_KINDS = (PAST_MISMATCH, LAGGING_RANK)
 
-DEFAULT_STUCK_AFTER = defaults.STUCK_AFTER
 NO_SEQ = -1  # seq of a verdict that names no collective (a down rank nobody waits for yet)
 MAX_DETAIL_RANKS = 16  # per-rank evidence kept in details
 
@@ -85,7 +85,7 @@ class VerdictConfig:
     stale heartbeat to count as a wedged rank). ``complete_view``: the input holds every rank of the job
     (Prometheus, dump files), so members without state are blamed rather than ignored."""
 
-    stuck_after: float = DEFAULT_STUCK_AFTER
+    stuck_after: float = defaults.STUCK_AFTER
     complete_view: bool = False
     # Straggler: mean lateness above max(min_lateness, factor x the peers' median) over min_samples collectives.
     straggler_min_lateness: float = StragglerConfig.min_lateness

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from frexporter import naming
+from frexporter import defaults, naming
 from frexporter.analysis.activity import describe
-from frexporter.app import App, build_app
+from frexporter.app import App, ServeConfig, build_app
 from frexporter.demo.rank import HANG_RANK
 from frexporter.model import NodeSnapshot
 
@@ -44,7 +44,8 @@ def _table(snap: NodeSnapshot) -> str:
     return "\n".join(lines)
 
 
-def run_demo(ranks: int = 4, keep: bool = False, stuck_after: float = 4.0, out: TextIO | None = None) -> int:
+def run_demo(ranks: int = defaults.DEMO_RANKS, keep: bool = False, stuck_after: float = 4.0,
+             out: TextIO | None = None) -> int:
     out = out or sys.stdout
     if importlib.util.find_spec("torch") is None:
         print("frexporter demo: the demo's ranks need torch in this environment (pip install 'torch>=2.5')",
@@ -69,8 +70,8 @@ def run_demo(ranks: int = 4, keep: bool = False, stuck_after: float = 4.0, out: 
     # The demo prints verdicts itself; the exporter's own log lines would say the same twice.
     for name in ("frexporter.outputs.verdict_events", "frexporter.outputs.evidence"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    app = build_app(directory=spool, host="127.0.0.1", port=0, poll_interval=0.5, stuck_after=stuck_after,
-                    sources=(naming.SOURCE_RANKS,), deep_interval=2.0)
+    app = build_app(ServeConfig(directory=spool, host="127.0.0.1", port=0, poll_interval=0.5,
+                                stuck_after=stuck_after, sources=(naming.SOURCE_RANKS,), deep_interval=2.0))
     app.start()
     say(f"exporter listening on http://127.0.0.1:{app.port}/ (try /metrics and /api/v1/status)")
     port = _free_port()

@@ -6,8 +6,8 @@ The differences between JSON and pickle dumps (string vs int ``pg_status``, 0 vs
 None for unset times, list vs tuple ``process_group``, an absent ``entries`` key)
 are absorbed here.
 
-A dump past one of the bounds below is refused whole (SpoolError with a
-``spool.LIMIT_REASONS`` reason), never cut short: the entries past a cut would be the
+A dump past one of the bounds below is refused whole (SpoolError with one of
+``reasons.LIMIT_REASONS``), never cut short: the entries past a cut would be the
 newest, the ones in flight, and a PG name cut short could be another PG's.
 """
 
@@ -18,12 +18,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from frexporter import safetext
+from frexporter import reasons, safetext
 from frexporter.spool import (
     INT_MAX,
     INT_MIN,
-    LIMIT_ITEMS,
-    LIMIT_TEXT,
     MAX_PGS,
     MAX_TEXT_CHARS,
     RawPGStatus,
@@ -129,7 +127,7 @@ def _text(v: Any, limit: int, budget: _Budget | None = None) -> str:
     label value would fail every render of /metrics."""
     if isinstance(v, str):
         if len(v) > limit:
-            raise SpoolError(LIMIT_TEXT, f"a string of {len(v)} characters, over the bound of {limit}")
+            raise SpoolError(reasons.LIMIT_TEXT, f"a string of {len(v)} characters, over the bound of {limit}")
         if not safetext.is_valid(v):
             if budget is not None:
                 budget.repaired += 1
@@ -155,12 +153,12 @@ class _Budget:
     def spend(self, n: int) -> None:
         self.left -= n
         if self.left < 0:
-            raise SpoolError(LIMIT_ITEMS, f"tensor sizes and dtypes over {MAX_SIZE_VALUES} values in all")
+            raise SpoolError(reasons.LIMIT_ITEMS, f"tensor sizes and dtypes over {MAX_SIZE_VALUES} values in all")
 
 
 def _tensors(v: Any) -> list[Any] | tuple[Any, ...]:
     if len(v) > MAX_ENTRY_TENSORS:
-        raise SpoolError(LIMIT_ITEMS, f"an entry lists {len(v)} tensors, over the bound of {MAX_ENTRY_TENSORS}")
+        raise SpoolError(reasons.LIMIT_ITEMS, f"an entry lists {len(v)} tensors, over the bound of {MAX_ENTRY_TENSORS}")
     return v
 
 
@@ -174,8 +172,8 @@ def _sizes(v: Any, budget: _Budget) -> tuple[tuple[int, ...], ...]:
         for shape in _tensors(v):
             if isinstance(shape, (list, tuple)):
                 if len(shape) > MAX_TENSOR_DIMS:
-                    raise SpoolError(LIMIT_ITEMS, f"a shape of {len(shape)} dimensions, over the bound of "
-                                                  f"{MAX_TENSOR_DIMS}")
+                    raise SpoolError(reasons.LIMIT_ITEMS, f"a shape of {len(shape)} dimensions, over the bound of "
+                                                          f"{MAX_TENSOR_DIMS}")
                 cost += 1 + len(shape)
                 out.append(tuple(_int(d) for d in shape))
         done = budget.done[id(v)] = (cost, tuple(out))
@@ -237,9 +235,9 @@ def parse_dump(obj: Any, what: str = "FR dump") -> FrDump:
     """Turn a decoded FR dump into typed values; raises SpoolError only if it is not a dump at all, or is
     past one of this module's bounds."""
     if not isinstance(obj, dict):
-        raise SpoolError("invalid", f"{what}: expected an object")
+        raise SpoolError(reasons.INVALID, f"{what}: expected an object")
     if "version" not in obj and "pg_status" not in obj and "entries" not in obj:
-        raise SpoolError("foreign", f"{what}: not a Flight Recorder dump")
+        raise SpoolError(reasons.FOREIGN, f"{what}: not a Flight Recorder dump")
     raw_version = obj.get("version", "")
     try:  # shown, never compared: cut rather than refused
         version = safetext.repair(_text(raw_version[:MAX_WORD_CHARS] if isinstance(raw_version, str)
@@ -249,9 +247,9 @@ def parse_dump(obj: Any, what: str = "FR dump") -> FrDump:
     pg_status = parse_pg_status(obj.get("pg_status", {}), what) if "pg_status" in obj else {}
     raw_entries = obj.get("entries") or []
     if not isinstance(raw_entries, (list, tuple)):
-        raise SpoolError("invalid", f"{what}: entries must be a list")
+        raise SpoolError(reasons.INVALID, f"{what}: entries must be a list")
     if len(raw_entries) > MAX_ENTRIES:
-        raise SpoolError(LIMIT_ITEMS, f"{what}: {len(raw_entries)} entries, over the bound of {MAX_ENTRIES}")
+        raise SpoolError(reasons.LIMIT_ITEMS, f"{what}: {len(raw_entries)} entries, over the bound of {MAX_ENTRIES}")
     entries = []
     dropped = 0
     budget = _Budget()
@@ -307,18 +305,18 @@ def parse_answer(body: bytes | bytearray, bounds: AnswerBounds, what: str) -> Fr
     error: SpoolError
     try:
         if len(body) > bounds.max_bytes:
-            raise SpoolError(LIMIT_ITEMS, f"{what}: an answer of {len(body)} bytes, over the bound of "
-                                          f"{bounds.max_bytes} for this rank's ring")
+            raise SpoolError(reasons.LIMIT_ITEMS, f"{what}: an answer of {len(body)} bytes, over the bound of "
+                                                  f"{bounds.max_bytes} for this rank's ring")
         containers = body.count(b"{") + body.count(b"[")
         if containers > bounds.max_containers:
-            raise SpoolError(LIMIT_ITEMS, f"{what}: an answer of {containers} objects and lists, over the bound "
-                                          f"of {bounds.max_containers} for this rank's ring")
+            raise SpoolError(reasons.LIMIT_ITEMS, f"{what}: an answer of {containers} objects and lists, over the "
+                                                  f"bound of {bounds.max_containers} for this rank's ring")
         return parse_dump(json.loads(body), what)
     except SpoolError as e:
         error = SpoolError(e.reason, str(e))
         _release(e)
     except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the C parser allows
-        error = SpoolError("bad_response", f"{what}: not valid JSON ({type(e).__name__})")
+        error = SpoolError(reasons.BAD_RESPONSE, f"{what}: not valid JSON ({type(e).__name__})")
         _release(e)
     try:
         raise error
@@ -341,15 +339,15 @@ def _pg_config(raw: Any, budget: _Budget) -> dict[str, dict[str, Any]]:
     if not isinstance(raw, dict):
         return {}
     if len(raw) > MAX_PGS:
-        raise SpoolError(LIMIT_ITEMS, f"pg_config has {len(raw)} entries, over the bound of {MAX_PGS}")
+        raise SpoolError(reasons.LIMIT_ITEMS, f"pg_config has {len(raw)} entries, over the bound of {MAX_PGS}")
     out: dict[str, dict[str, Any]] = {}
     chars = 0
     for name, cfg in raw.items():
         if not isinstance(name, str) or not isinstance(cfg, dict):
             continue
         if len(cfg) > MAX_CONFIG_VALUES:
-            raise SpoolError(LIMIT_ITEMS, f"a pg_config entry has {len(cfg)} keys, over the bound of "
-                                          f"{MAX_CONFIG_VALUES}")
+            raise SpoolError(reasons.LIMIT_ITEMS, f"a pg_config entry has {len(cfg)} keys, over the bound of "
+                                                  f"{MAX_CONFIG_VALUES}")
         clean = {}
         for key, value in cfg.items():
             try:
@@ -359,6 +357,6 @@ def _pg_config(raw: Any, budget: _Budget) -> dict[str, dict[str, Any]]:
                 continue
             chars += len(text)
             if chars > MAX_CONFIG_CHARS:
-                raise SpoolError(LIMIT_TEXT, f"pg_config holds over {MAX_CONFIG_CHARS} characters of text")
+                raise SpoolError(reasons.LIMIT_TEXT, f"pg_config holds over {MAX_CONFIG_CHARS} characters of text")
         out[_text(name, MAX_TEXT_CHARS, budget)] = clean
     return out

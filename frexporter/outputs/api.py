@@ -14,7 +14,15 @@ from typing import Any
 from frexporter import __version__
 from frexporter.analysis.activity import where as activity_where
 from frexporter.analysis.verdicts import Verdict, budget_left
-from frexporter.model import ACTIVITY_UNKNOWN, FRAMES_PYSPY, Activity, NodeSnapshot, PGState, RankState
+from frexporter.model import (
+    ACTIVITY_UNKNOWN,
+    FRAMES_PYSPY,
+    STATE_STARTING,
+    Activity,
+    NodeSnapshot,
+    PGState,
+    RankState,
+)
 
 MAX_LISTED_MEMBERS = 64  # member ranks per process group (its "size" is the whole count)
 MAX_LISTED_RANKS = 256  # ranks of the node
@@ -91,7 +99,7 @@ def _rank_json(r: RankState, pgs: tuple[PGState, ...], now: float) -> dict[str, 
         "status": r.status,
         # "starting": blocked in (or before) init_process_group for starting_seconds; "running" once it has a PG.
         "state": r.state,
-        "starting_seconds": round(max(0.0, now - r.start_time), 3) if r.state == "starting" and r.start_time
+        "starting_seconds": round(max(0.0, now - r.start_time), 3) if r.state == STATE_STARTING and r.start_time
         else None,
         "node_ranks": list(r.node_ranks[:MAX_LISTED_ITEMS]),
         "heartbeat": r.heartbeat,

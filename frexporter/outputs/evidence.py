@@ -23,18 +23,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from frexporter import spool
+from frexporter import reasons, spool
 from frexporter.model import RankState
 from frexporter.outputs.evidence_dir import (
     DIR_FLAGS,
     MARKER_FIELD,
     MAX_VERDICT_FILE_BYTES,
     PRIVATE_PREFIX,
-    REASON_FOREIGN_OWNER,
-    REASON_NOT_DIRECTORY,
-    REASON_SHARED,
-    REASON_SYMLINK,
-    REASON_UNSAFE_KEY,
     VERDICT_FILE,
     EvidenceRefused,
     bundle_key,
@@ -48,20 +43,27 @@ from frexporter.outputs.evidence_dir import (
     write_at,
 )
 from frexporter.ratelimit import LogLimiter
-from frexporter.sources.evidence_capture import REASON_DEADLINE, read_evidence
+from frexporter.sources.evidence_capture import read_evidence
 
 log = logging.getLogger("frexporter.outputs.evidence")
 
 # Repeats and floods: the window of the per-rank and node-wide capture limits and of the log limits.
 LIMIT_INTERVAL = 300.0
 
-# `reason` values of frexporter_source_errors_total{source="evidence"}, besides the directory's (evidence_dir),
-# REASON_DEADLINE (evidence_capture) and the socket reasons of worker_client (socket_refused, socket_timeout, ...).
-REASON_IO = "io"
-REASON_QUEUE_FULL = "queue_full"
-REASON_RANK_REPEAT = "rank_repeat"  # a rank already captured within LIMIT_INTERVAL
-REASON_RATE_LIMITED = "rate_limited"  # the node-wide captures per LIMIT_INTERVAL are spent
-REASON_PRUNE = "prune"  # a bundle of ours could not be removed
+# What frexporter_source_errors_total{source="evidence"} counts, besides the socket reasons of worker_client
+# (socket_refused, socket_timeout, ...), under the names callers have long used; the one spelling of each is
+# frexporter.reasons, which says what each counts.
+REASON_SYMLINK = reasons.SYMLINK
+REASON_FOREIGN_OWNER = reasons.FOREIGN_OWNER
+REASON_NOT_DIRECTORY = reasons.NOT_A_DIRECTORY
+REASON_SHARED = reasons.WRITABLE_BY_OTHERS
+REASON_UNSAFE_KEY = reasons.UNSAFE_KEY
+REASON_DEADLINE = reasons.DEADLINE
+REASON_IO = reasons.IO
+REASON_QUEUE_FULL = reasons.QUEUE_FULL
+REASON_RANK_REPEAT = reasons.RANK_REPEAT
+REASON_RATE_LIMITED = reasons.RATE_LIMITED
+REASON_PRUNE = reasons.PRUNE
 
 __all__ = ["LIMIT_INTERVAL", "MARKER_FIELD", "PRIVATE_PREFIX", "REASON_DEADLINE", "REASON_FOREIGN_OWNER", "REASON_IO",
            "REASON_NOT_DIRECTORY", "REASON_PRUNE", "REASON_QUEUE_FULL", "REASON_RANK_REPEAT", "REASON_RATE_LIMITED",
@@ -145,7 +147,7 @@ class EvidenceWriter:
             try:
                 self._fill(bundle_fd, name, key, verdict, ranks, socket_dir, started)
             except OSError as e:
-                self.note(REASON_IO, f"cannot write evidence bundle {path}: {e.strerror or e}")
+                self.note(reasons.IO, f"cannot write evidence bundle {path}: {e.strerror or e}")
                 with contextlib.suppress(OSError):
                     self._remove(dir_fd, name, bundle_fd)
                 return None
@@ -166,7 +168,7 @@ class EvidenceWriter:
         if isinstance(error, EvidenceRefused):
             self.note(error.reason, f"evidence directory refused: {error}")
         else:
-            self.note(REASON_IO, f"{doing}: {error.strerror or error}")
+            self.note(reasons.IO, f"{doing}: {error.strerror or error}")
 
     def _new_bundle(self, dir_fd: int, verdict: Any) -> tuple[str, int]:
         """A new, empty bundle directory: the time and kind for people, a random suffix against planted names."""
@@ -183,7 +185,7 @@ class EvidenceWriter:
             fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
             if os.fstat(fd).st_uid != os.geteuid():  # swapped between mkdir and open (a root-owned shared dir)
                 os.close(fd)
-                raise EvidenceRefused(REASON_FOREIGN_OWNER, f"bundle {name} changed hands while it was made")
+                raise EvidenceRefused(reasons.FOREIGN_OWNER, f"bundle {name} changed hands while it was made")
             os.fchmod(fd, spool.DIR_MODE)  # mkdir applied the umask
             return name, fd
         raise AssertionError("unreachable")
@@ -213,7 +215,7 @@ class EvidenceWriter:
         try:
             names = os.listdir(dir_fd)
         except OSError as e:
-            self.note(REASON_PRUNE, f"cannot list {directory}: {e.strerror or e}")
+            self.note(reasons.PRUNE, f"cannot list {directory}: {e.strerror or e}")
             return
         for name in names:
             if name.startswith("."):
@@ -232,7 +234,7 @@ class EvidenceWriter:
                     if our_bundle(fd, name, key) is not None:  # still the one we verified
                         self._remove(dir_fd, name, fd)
             except OSError as e:
-                self.note(REASON_PRUNE, f"cannot remove evidence bundle {name}: {e.strerror or e}")
+                self.note(reasons.PRUNE, f"cannot remove evidence bundle {name}: {e.strerror or e}")
 
     def _remove(self, dir_fd: int, name: str, bundle_fd: int) -> None:
         """Empty the open bundle through its descriptor, marker last, then remove its name if it still is that bundle.
@@ -315,7 +317,7 @@ _VERDICT_FIELDS = {"kind": str, "job_id": str, "pg": str, "pg_desc": str, "op": 
 
 def _verdict_summary(doc: Any) -> dict[str, Any]:
     if not isinstance(doc, dict) or not isinstance(doc.get("verdict"), dict):
-        return {"error": "invalid"}
+        return {"error": reasons.INVALID}
     verdict = {}
     for key, kind in _VERDICT_FIELDS.items():
         value = doc["verdict"].get(key)

@@ -18,7 +18,7 @@ import secrets
 import stat
 from collections.abc import Iterator
 
-from frexporter import spool
+from frexporter import reasons, spool
 from frexporter.errors import FrexporterError
 
 VERDICT_FILE = "verdict.json"
@@ -30,13 +30,6 @@ KEY_BYTES = 32
 # Inside an evidence directory others may write: where this user's bundles go, +uid.
 PRIVATE_PREFIX = "frexporter-"
 MARKER_FIELD = "bundle"  # verdict.json: {"name": <bundle name>, "mac": HMAC-SHA256(key, name)}
-
-# `reason` values of frexporter_source_errors_total{source="evidence"} for a directory or file refused.
-REASON_SYMLINK = "symlink"  # the evidence directory (or its key file) is a symbolic link
-REASON_FOREIGN_OWNER = "foreign_owner"  # owned by another user
-REASON_NOT_DIRECTORY = "not_a_directory"
-REASON_SHARED = "writable_by_others"  # our private directory inside a shared one is not private
-REASON_UNSAFE_KEY = "unsafe_key"  # the key file is not a private regular file of ours
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
@@ -65,16 +58,16 @@ def _open_leaf(parent_fd: int, leaf: str, what: str, create: bool) -> tuple[int,
         if e.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
         if stat.S_ISLNK(os.stat(leaf, dir_fd=parent_fd, follow_symlinks=False).st_mode):
-            raise EvidenceRefused(REASON_SYMLINK, f"{what}: a symbolic link; refused") from e
-        raise EvidenceRefused(REASON_NOT_DIRECTORY, f"{what}: not a directory") from e
+            raise EvidenceRefused(reasons.SYMLINK, f"{what}: a symbolic link; refused") from e
+        raise EvidenceRefused(reasons.NOT_A_DIRECTORY, f"{what}: not a directory") from e
     try:
         st = os.fstat(fd)
         # Root may have provisioned it (a Kubernetes emptyDir, /var/lib/...): only root can make a root-owned
         # directory, and root is trusted anyway. Anyone else's is theirs to swap out under us, and so is one
         # that replaced ours between mkdir and open.
         if st.st_uid != os.geteuid() and (made or st.st_uid != 0):
-            raise EvidenceRefused(REASON_FOREIGN_OWNER, f"{what}: owned by uid {st.st_uid}, not by this user "
-                                                        f"(uid {os.geteuid()}) or root")
+            raise EvidenceRefused(reasons.FOREIGN_OWNER, f"{what}: owned by uid {st.st_uid}, not by this user "
+                                                         f"(uid {os.geteuid()}) or root")
         if made:
             os.fchmod(fd, spool.DIR_MODE)  # mkdir applied the umask
     except BaseException:
@@ -86,7 +79,7 @@ def _open_leaf(parent_fd: int, leaf: str, what: str, create: bool) -> tuple[int,
 def open_configured(directory: str, create: bool) -> tuple[int, bool]:
     parent, leaf = os.path.split(os.path.abspath(directory))
     if not leaf:
-        raise EvidenceRefused(REASON_NOT_DIRECTORY, f"{directory}: not a usable evidence directory")
+        raise EvidenceRefused(reasons.NOT_A_DIRECTORY, f"{directory}: not a usable evidence directory")
     if create:
         os.makedirs(parent, mode=spool.DIR_MODE, exist_ok=True)
     parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
@@ -120,7 +113,7 @@ def open_evidence_dir(directory: str, create: bool = True) -> tuple[int, str]:
     st = os.fstat(sub)
     if not made and (st.st_uid != os.geteuid() or st.st_mode & 0o077):
         os.close(sub)
-        raise EvidenceRefused(REASON_FOREIGN_OWNER if st.st_uid != os.geteuid() else REASON_SHARED,
+        raise EvidenceRefused(reasons.FOREIGN_OWNER if st.st_uid != os.geteuid() else reasons.WRITABLE_BY_OTHERS,
                               f"{private}: not a private directory of this user (uid {st.st_uid}, mode "
                               f"{stat.S_IMODE(st.st_mode):o})")
     return sub, private
@@ -142,21 +135,21 @@ def bundle_key(dir_fd: int, directory: str) -> bytes:
         fd = os.open(KEY_FILE, _READ_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise EvidenceRefused(REASON_SYMLINK, f"{what}: a symbolic link; refused") from e
+            raise EvidenceRefused(reasons.SYMLINK, f"{what}: a symbolic link; refused") from e
         raise
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
-            raise EvidenceRefused(REASON_FOREIGN_OWNER, f"{what}: owned by uid {st.st_uid}, not by this user")
+            raise EvidenceRefused(reasons.FOREIGN_OWNER, f"{what}: owned by uid {st.st_uid}, not by this user")
         if (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_mode & 0o077
                 or st.st_size != KEY_BYTES):
-            raise EvidenceRefused(REASON_UNSAFE_KEY, f"{what}: not a private {KEY_BYTES}-byte file of this "
-                                                     "exporter; remove it and the next capture makes a new one")
+            raise EvidenceRefused(reasons.UNSAFE_KEY, f"{what}: not a private {KEY_BYTES}-byte file of this "
+                                                      "exporter; remove it and the next capture makes a new one")
         data = os.read(fd, KEY_BYTES + 1)
     finally:
         os.close(fd)
     if len(data) != KEY_BYTES:
-        raise EvidenceRefused(REASON_UNSAFE_KEY, f"{what}: short read")
+        raise EvidenceRefused(reasons.UNSAFE_KEY, f"{what}: short read")
     return data
 
 
@@ -176,16 +169,16 @@ def read_at(dir_fd: int, name: str, max_bytes: int, what: str) -> tuple[os.stat_
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError as e:
-        raise spool.SpoolError("missing", f"{what}: missing") from e
+        raise spool.SpoolError(reasons.MISSING, f"{what}: missing") from e
     except OSError as e:
-        reason = "symlink" if e.errno == errno.ELOOP else "io"
+        reason = reasons.SYMLINK if e.errno == errno.ELOOP else reasons.IO
         raise spool.SpoolError(reason, f"{what}: {e.strerror or e}") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise spool.SpoolError("foreign", f"{what}: not a regular file")
+            raise spool.SpoolError(reasons.FOREIGN, f"{what}: not a regular file")
         if st.st_size > max_bytes:
-            raise spool.SpoolError("oversized", f"{what}: larger than the {max_bytes} byte limit")
+            raise spool.SpoolError(reasons.OVERSIZED, f"{what}: larger than the {max_bytes} byte limit")
         chunks, total = [], 0
         while total <= max_bytes:
             chunk = os.read(fd, max_bytes + 1 - total)
@@ -194,12 +187,12 @@ def read_at(dir_fd: int, name: str, max_bytes: int, what: str) -> tuple[os.stat_
             chunks.append(chunk)
             total += len(chunk)
     except OSError as e:
-        raise spool.SpoolError("io", f"{what}: {e.strerror or e}") from e
+        raise spool.SpoolError(reasons.IO, f"{what}: {e.strerror or e}") from e
     finally:
         os.close(fd)
     data = b"".join(chunks)
     if len(data) > max_bytes:
-        raise spool.SpoolError("oversized", f"{what}: larger than the {max_bytes} byte limit")
+        raise spool.SpoolError(reasons.OVERSIZED, f"{what}: larger than the {max_bytes} byte limit")
     return st, data
 
 

@@ -44,7 +44,7 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client.core import Metric as PromMetric
 
-from frexporter import __version__, defaults, extras
+from frexporter import __version__, defaults, extras, reasons
 from frexporter import naming as n
 from frexporter.model import NodeSnapshot, SourceStatus
 from frexporter.outputs.prometheus import SnapshotCollector
@@ -53,11 +53,9 @@ log = logging.getLogger("frexporter.otlp")
 
 PROTOCOL_HTTP = "http/protobuf"
 PROTOCOL_GRPC = "grpc"
-DEFAULT_INTERVAL = defaults.OTLP_INTERVAL
-DEFAULT_TIMEOUT = 10.0
 SOURCE_OTLP = "otlp"  # `source` label value of frexporter_source_* for this output
-REASON_EXPORT_FAILED = "export_failed"  # the collector refused or could not be reached (after the SDK's retries)
-REASON_INTERNAL = "internal"  # a bug on our side: building or encoding the request raised
+REASON_EXPORT_FAILED = reasons.EXPORT_FAILED
+REASON_INTERNAL = reasons.INTERNAL
 
 # Downward-API variables the Helm chart sets -> OpenTelemetry k8s resource attributes.
 K8S_ENV = (("POD_NAME", "k8s.pod.name"), ("POD_NAMESPACE", "k8s.namespace.name"), ("NODE_NAME", "k8s.node.name"))
@@ -325,7 +323,7 @@ class OtlpPusher:
     streak. ``shutdown()`` pushes the last snapshot, bounded by ``timeout``.
     """
 
-    def __init__(self, endpoint: str, interval: float = DEFAULT_INTERVAL, protocol: str | None = None,
+    def __init__(self, endpoint: str, interval: float = defaults.OTLP_INTERVAL, protocol: str | None = None,
                  timeout: float | None = None, hostname: str | None = None) -> None:
         if interval <= 0:
             raise OtlpConfigError(f"OTLP interval must be > 0, got {interval}")
@@ -333,7 +331,7 @@ class OtlpPusher:
         self.target = parse_endpoint(endpoint, protocol)
         self.interval = interval
         # A push that outlives its interval would only queue the next one behind it.
-        self.timeout = timeout if timeout is not None else min(DEFAULT_TIMEOUT, interval)
+        self.timeout = timeout if timeout is not None else min(defaults.OTLP_TIMEOUT, interval)
         self.resource = build_resource(hostname)
         _capture_sdk_logs()
         self._exporter = _make_exporter(self.target, self.timeout)

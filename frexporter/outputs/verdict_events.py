@@ -18,16 +18,10 @@ import time
 from collections import deque
 from collections.abc import Hashable
 
-from frexporter import naming
+from frexporter import defaults, naming, reasons
 from frexporter.analysis import Verdict, VerdictTracker
 from frexporter.model import NodeSnapshot, SourceStatus
-from frexporter.outputs.evidence import (
-    LIMIT_INTERVAL,
-    REASON_QUEUE_FULL,
-    REASON_RANK_REPEAT,
-    REASON_RATE_LIMITED,
-    EvidenceWriter,
-)
+from frexporter.outputs.evidence import LIMIT_INTERVAL, EvidenceWriter
 from frexporter.ratelimit import LogLimiter
 
 log = logging.getLogger("frexporter.outputs.verdict_events")
@@ -39,8 +33,8 @@ VERDICT_LOG_BURST = 20  # verdict lines (appeared, cleared) per LIMIT_INTERVAL b
 
 
 class VerdictEvents:
-    def __init__(self, spool_dir: str, evidence: EvidenceWriter | None, confirm_after: float = 0.0,
-                 clear_after: float = 0.0) -> None:
+    def __init__(self, spool_dir: str, evidence: EvidenceWriter | None,
+                 confirm_after: float = defaults.VERDICT_CONFIRM_AFTER, clear_after: float = 0.0) -> None:
         self.spool_dir = spool_dir
         self.evidence = evidence
         self.tracker = VerdictTracker(confirm_after=confirm_after, clear_after=clear_after)
@@ -71,11 +65,11 @@ class VerdictEvents:
         # A verdict without culprits (none of today's kinds) is limited per PG and kind instead.
         keys: list[Hashable] = [(v.job_id, r) for r in v.ranks] or [(v.job_id, v.pg, v.kind)]
         if any(k in self._recent for k in keys):
-            reason = REASON_RANK_REPEAT
+            reason = reasons.RANK_REPEAT
         elif len(self._started) >= MAX_CAPTURES_PER_INTERVAL:
-            reason = REASON_RATE_LIMITED
+            reason = reasons.RATE_LIMITED
         elif len(self.captures) >= MAX_PENDING_CAPTURES:
-            reason = REASON_QUEUE_FULL
+            reason = reasons.QUEUE_FULL
         else:
             for k in keys:
                 self._recent[k] = now

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from frexporter import safetext, spool
+from frexporter import reasons, safetext, spool
+from frexporter.model import STATE_EXITING, STATE_RUNNING, STATE_STARTING, STATE_STOPPED
 from frexporter.recorder import fr
 
 log = logging.getLogger("frexporter.recorder")
@@ -117,17 +118,17 @@ class Publisher:
                 "hostname": safetext.from_environment(socket.gethostname()), "start_time": self.start_time,
                 "backends": [],
                 "socket": "", "handlers": [], "recorders": [], "process_groups": [],
-                "state": spool.STATE_STARTING, "launcher": self._launcher,
+                "state": STATE_STARTING, "launcher": self._launcher,
             }
             spool.write_json_atomic(self._path(spool.MANIFEST_SUFFIX), self._manifest)
             with self._write_lock:
-                self._write_snapshot((), state=spool.STATE_STARTING)
+                self._write_snapshot((), state=STATE_STARTING)
             self._last_starting = time.monotonic()
             self._starting = True
         except Exception as e:
-            self._count_error("starting_manifest", e)
+            self._count_error(reasons.STARTING_MANIFEST, e)
 
-    def stop(self, state: str = "exiting") -> None:
+    def stop(self, state: str = STATE_EXITING) -> None:
         """Called at interpreter exit: tell the exporter this was a clean exit, not a crash."""
         if os.getpid() != self._pid:
             return  # a forked child (a DataLoader worker) exiting: not this rank, and its files are the parent's
@@ -184,7 +185,7 @@ class Publisher:
             if self._stem and self._write_lock.acquire(timeout=1.0):
                 try:
                     with contextlib.suppress(Exception):
-                        self._write_snapshot((), state="stopped", message=f"recorder thread died: {e!r}")
+                        self._write_snapshot((), state=STATE_STOPPED, message=f"recorder thread died: {e!r}")
                 finally:
                     self._write_lock.release()
 
@@ -216,7 +217,7 @@ class Publisher:
                 if self._starting and time.monotonic() - self._last_starting >= self._interval:
                     self._last_starting = time.monotonic()
                     with self._write_lock:  # the heartbeat of a rank still in (or before) init_process_group
-                        self._write_snapshot((), state=spool.STATE_STARTING)
+                        self._write_snapshot((), state=STATE_STARTING)
                 return
             self._identify(dist)
         # From here on the PG table's size stands in for is_initialized(), one lookup instead of four:
@@ -311,7 +312,7 @@ class Publisher:
             self._snapshot = None
             log.warning("frexporter recorder: spool directory %s was removed; publishing again", self.directory)
         except Exception as e:
-            self._count_error("spool_recreate", e)
+            self._count_error(reasons.SPOOL_RECREATE, e)
 
     # ------------------------------------------------------------ pieces
 
@@ -338,7 +339,7 @@ class Publisher:
             self._server = fr.start_worker_server(path)
             sock_name = os.path.basename(path)
         except Exception as e:
-            self._count_error("worker_server", e)
+            self._count_error(reasons.WORKER_SERVER, e)
         import torch
 
         self._manifest = {
@@ -357,7 +358,7 @@ class Publisher:
             "handlers": list(fr.handler_names()),
             "recorders": [],  # _write_manifest: the ones its process groups use, with the reader for them
             "fr_buffer_size": fr.buffer_size(),
-            "state": spool.STATE_RUNNING,
+            "state": STATE_RUNNING,
         }
         if self._launcher:
             self._manifest["launcher"] = self._launcher
@@ -378,7 +379,7 @@ class Publisher:
         self._manifest["generation"] = self._generation
         spool.write_json_atomic(self._path(spool.MANIFEST_SUFFIX), self._manifest)
 
-    def _write_snapshot(self, status: tuple[bytes, ...], state: str = "running", message: str = "") -> None:
+    def _write_snapshot(self, status: tuple[bytes, ...], state: str = STATE_RUNNING, message: str = "") -> None:
         """Update the mapped snapshot; ``status`` is torch's JSON per recorder (in ``StatusReader.recorders``
         order), spliced in unparsed.
 
@@ -386,13 +387,13 @@ class Publisher:
         so the snapshot is one bytes format whose constant parts (format, pid, interval, state, errors,
         recorder names) are encoded once and reused until one of them changes.
         """
-        if self._closed and state == "running":
+        if self._closed and state == STATE_RUNNING:
             return  # stop() came first (the thread outlived its join): its last words stand
         self._counter += 1
         fmt = self._format
-        if fmt is None or state != "running":  # running snapshots carry every recorder; last words carry none
+        if fmt is None or state != STATE_RUNNING:  # running snapshots carry every recorder; last words carry none
             fmt = self._snapshot_format(state, message, len(status))
-            if state == "running":
+            if state == STATE_RUNNING:
                 self._format = fmt
         self._map.write(fmt % (self._counter, time.time_ns(), time.process_time_ns(), self._sample_stack(), *status))
 
@@ -488,7 +489,7 @@ def stack_sampler(thread_id: int | None, count_error: Callable[[str, BaseExcepti
             return b",".join(out)
         except Exception as e:
             broken = True
-            count_error("stack_sample", e)
+            count_error(reasons.STACK_SAMPLE, e)
             return b""
 
     return sample
@@ -526,7 +527,7 @@ def launcher_facts(environ: Mapping[str, str], count_error: Callable[[str, BaseE
                         raise ValueError(f"{var} is out of range")
                     out[key] = value
             except (ValueError, UnicodeEncodeError) as e:
-                count_error("launcher_env", e)
+                count_error(reasons.LAUNCHER_ENV, e)
         return out
     return {}
 

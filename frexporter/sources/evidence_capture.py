@@ -16,12 +16,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from frexporter import reasons
 from frexporter.model import RankState
 from frexporter.sources import worker_handlers
 from frexporter.sources.base import SourceError
 from frexporter.sources.worker_handlers import Handler
-
-REASON_DEADLINE = "deadline"  # the capture's time ran out before every rank was read
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def read_evidence(verdict: Any, ranks: Iterable[RankState], socket_dir: str, *, 
 def _fetch(sock: str, handler: Handler, timeout: float, within: float, note: Callable[[str, str], None]
            ) -> bytes | bytearray | None:
     if timeout <= 0:
-        note(REASON_DEADLINE, f"{sock}: {handler.name} not read: the capture's {within:g} s are spent")
+        note(reasons.DEADLINE, f"{sock}: {handler.name} not read: the capture's {within:g} s are spent")
         return None
     try:
         return worker_handlers.call(sock, handler, timeout)

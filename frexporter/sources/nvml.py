@@ -26,37 +26,27 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from frexporter import naming
+from frexporter import naming, reasons
 from frexporter.errors import FrexporterError
 from frexporter.model import NVLINK_ERROR_TYPES, EccErrors, GpuReading, GpuState, RemappedRows
 from frexporter.sources.base import Reading, SourceError
 
 log = logging.getLogger(__name__)
 
-# Reasons: bounded tokens that end up as the `reason` label of
-# frexporter_source_errors_total, for whole-source and per-field failures.
-REASON_LIBRARY_NOT_FOUND = "library_not_found"
-REASON_DRIVER = "driver"
-REASON_INIT_FAILED = "init_failed"
-REASON_NOT_SUPPORTED = "not_supported"
-REASON_GPU_LOST = "gpu_lost"
-REASON_NO_PERMISSION = "no_permission"
-REASON_TIMEOUT = "timeout"
-REASON_INVALID_VALUE = "invalid_value"
-REASON_UNKNOWN = "unknown"
 
 class GpuBackendError(FrexporterError):
-    """A backend call failed; ``reason`` is one of the REASON_* tokens."""
+    """A backend call failed; ``reason`` is one of the GPU reasons in frexporter.reasons (the ``reason`` label of
+    frexporter_source_errors_total, for whole-source and per-field failures)."""
 
 
 class FieldNotSupported(GpuBackendError):
     def __init__(self, message: str = "not supported") -> None:
-        super().__init__(REASON_NOT_SUPPORTED, message)
+        super().__init__(reasons.NOT_SUPPORTED, message)
 
 
 class GpuLost(GpuBackendError):
     def __init__(self, message: str = "GPU is lost") -> None:
-        super().__init__(REASON_GPU_LOST, message)
+        super().__init__(reasons.GPU_LOST, message)
 
 
 @dataclass(frozen=True)
@@ -185,17 +175,17 @@ def _reason_of(exc: BaseException) -> str:
     if isinstance(exc, GpuBackendError):
         return exc.reason
     if isinstance(exc, ValueError):
-        return REASON_INVALID_VALUE
-    return REASON_UNKNOWN
+        return reasons.INVALID_VALUE
+    return reasons.UNKNOWN
 
 
 _DOWN_MESSAGES = {
-    REASON_LIBRARY_NOT_FOUND: (
-        "NVML library not found (libnvidia-ml.so.1): GPU metrics disabled; "
-        "is the NVIDIA driver mounted into this container?"
+    reasons.LIBRARY_NOT_FOUND: (
+         "NVML library not found (libnvidia-ml.so.1): GPU metrics disabled; "
+         "is the NVIDIA driver mounted into this container?"
     ),
-    REASON_DRIVER: "NVIDIA driver not usable ({exc}): GPU metrics disabled",
-    REASON_INIT_FAILED: "NVML init failed ({exc}): GPU metrics disabled",
+    reasons.DRIVER: "NVIDIA driver not usable ({exc}): GPU metrics disabled",
+    reasons.INIT_FAILED: "NVML init failed ({exc}): GPU metrics disabled",
 }
 
 
@@ -278,8 +268,8 @@ class NvmlSource:
             self._backend.init()
         except Exception as exc:
             reason = _reason_of(exc)
-            if reason not in (REASON_LIBRARY_NOT_FOUND, REASON_DRIVER):
-                reason = REASON_INIT_FAILED
+            if reason not in (reasons.LIBRARY_NOT_FOUND, reasons.DRIVER):
+                reason = reasons.INIT_FAILED
             self._next_attempt = now + self._backoff
             self._backoff = min(self._backoff * 2, self._retry_max)
             raise self._go_down(reason, _DOWN_MESSAGES[reason].format(exc=exc)) from exc
@@ -292,13 +282,13 @@ class NvmlSource:
 
     def _fail_running(self, exc: Exception) -> SourceError:
         reason = _reason_of(exc)
-        if reason in (REASON_DRIVER, REASON_LIBRARY_NOT_FOUND, REASON_GPU_LOST):
+        if reason in (reasons.DRIVER, reasons.LIBRARY_NOT_FOUND, reasons.GPU_LOST):
             # The driver went away under us: start over, with backoff.
             self._teardown()
             self._next_attempt = self._clock() + self._backoff
-            reason = REASON_DRIVER
-        elif reason not in (REASON_TIMEOUT, REASON_NO_PERMISSION):
-            reason = REASON_UNKNOWN
+            reason = reasons.DRIVER
+        elif reason not in (reasons.TIMEOUT, reasons.NO_PERMISSION):
+            reason = reasons.UNKNOWN
         return self._go_down(reason, f"NVML device enumeration failed ({exc}): GPU metrics disabled")
 
     def _go_down(self, reason: str, message: str) -> SourceError:
@@ -373,7 +363,7 @@ class NvmlSource:
         reason = _reason_of(exc)
         once = (key, method, reason) not in self._logged
         self._logged.add((key, method, reason))
-        if reason == REASON_NOT_SUPPORTED:
+        if reason == reasons.NOT_SUPPORTED:
             # A model without the reading: expected, silent after one debug line.
             if once:
                 log.debug("GPU %s: %s not supported, skipped", key, method)
@@ -436,17 +426,17 @@ def _key(index: int, uuid: str) -> str:
 
 # NVML error code names -> reasons; looked up on the module at call time.
 _NVML_REASONS = {
-    "NVML_ERROR_LIBRARY_NOT_FOUND": REASON_LIBRARY_NOT_FOUND,
-    "NVML_ERROR_DRIVER_NOT_LOADED": REASON_DRIVER,
-    "NVML_ERROR_LIB_RM_VERSION_MISMATCH": REASON_DRIVER,
-    "NVML_ERROR_UNINITIALIZED": REASON_DRIVER,
-    "NVML_ERROR_NOT_SUPPORTED": REASON_NOT_SUPPORTED,
-    "NVML_ERROR_FUNCTION_NOT_FOUND": REASON_NOT_SUPPORTED,
-    "NVML_ERROR_GPU_IS_LOST": REASON_GPU_LOST,
-    "NVML_ERROR_RESET_REQUIRED": REASON_GPU_LOST,
-    "NVML_ERROR_GPU_NOT_FOUND": REASON_GPU_LOST,
-    "NVML_ERROR_NO_PERMISSION": REASON_NO_PERMISSION,
-    "NVML_ERROR_TIMEOUT": REASON_TIMEOUT,
+    "NVML_ERROR_LIBRARY_NOT_FOUND": reasons.LIBRARY_NOT_FOUND,
+    "NVML_ERROR_DRIVER_NOT_LOADED": reasons.DRIVER,
+    "NVML_ERROR_LIB_RM_VERSION_MISMATCH": reasons.DRIVER,
+    "NVML_ERROR_UNINITIALIZED": reasons.DRIVER,
+    "NVML_ERROR_NOT_SUPPORTED": reasons.NOT_SUPPORTED,
+    "NVML_ERROR_FUNCTION_NOT_FOUND": reasons.NOT_SUPPORTED,
+    "NVML_ERROR_GPU_IS_LOST": reasons.GPU_LOST,
+    "NVML_ERROR_RESET_REQUIRED": reasons.GPU_LOST,
+    "NVML_ERROR_GPU_NOT_FOUND": reasons.GPU_LOST,
+    "NVML_ERROR_NO_PERMISSION": reasons.NO_PERMISSION,
+    "NVML_ERROR_TIMEOUT": reasons.TIMEOUT,
 }
 _NVLINK_COUNTERS = (
     ("NVML_NVLINK_ERROR_DL_REPLAY", "replay"),
@@ -464,16 +454,16 @@ def _translate(nv: Any, exc: Exception) -> GpuBackendError:
     if isinstance(exc, getattr(nv, "NVMLError", ())):
         code = getattr(exc, "value", None)
         reason = next(
-            (r for name, r in _NVML_REASONS.items() if getattr(nv, name, object()) == code), REASON_UNKNOWN
+            (r for name, r in _NVML_REASONS.items() if getattr(nv, name, object()) == code), reasons.UNKNOWN
         )
-        if reason == REASON_NOT_SUPPORTED:
+        if reason == reasons.NOT_SUPPORTED:
             return FieldNotSupported(str(exc))
-        if reason == REASON_GPU_LOST:
+        if reason == reasons.GPU_LOST:
             return GpuLost(str(exc))
         return GpuBackendError(reason, f"NVML: {exc}")
     if isinstance(exc, getattr(nv, "NVMLLibraryMismatchError", ())):
-        return GpuBackendError(REASON_DRIVER, f"pynvml does not match the driver: {exc}")
-    return GpuBackendError(REASON_UNKNOWN, f"{type(exc).__name__}: {exc}")
+        return GpuBackendError(reasons.DRIVER, f"pynvml does not match the driver: {exc}")
+    return GpuBackendError(reasons.UNKNOWN, f"{type(exc).__name__}: {exc}")
 
 
 def _handle_address(handle: object) -> int | None:
@@ -502,7 +492,7 @@ class PynvmlBackend:
                 import pynvml  # lazy: GPU-less nodes and tests never need it
             except ImportError as exc:
                 raise GpuBackendError(
-                    REASON_LIBRARY_NOT_FOUND, "nvidia-ml-py (pynvml) is not installed"
+                    reasons.LIBRARY_NOT_FOUND, "nvidia-ml-py (pynvml) is not installed"
                 ) from exc
             self._module = pynvml
         return self._module

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from frexporter import spool
+from frexporter import reasons, spool
 from frexporter.model import Frame
 from frexporter.sources import worker_handlers
 from frexporter.sources.base import SourceError
@@ -29,10 +29,10 @@ FETCH_TIMEOUT = 5.0  # one fetch, connect to last byte; py-spy itself takes 10-5
 REFRESH_INTERVAL = 60.0
 MAX_CONCURRENT = 2  # fetches in flight, node-wide (each one is a py-spy process in a rank)
 
-# `reason` values (frexporter_source_errors_total{source="ranks"}), besides worker_client's socket reasons and
-# spool.LIMIT_TEXT (a function or file name past spool.MAX_FRAME_TEXT_CHARS).
-REASON_INVALID = "pyspy_invalid"  # not UTF-8, not py-spy's format, or no main thread in it
-REASON_FAILED = "pyspy_failed"  # py-spy ran and failed (not on the rank's PATH, ptrace refused, ...)
+# What a fetch fails with, besides worker_client's socket reasons and reasons.LIMIT_TEXT (a function or file
+# name past spool.MAX_FRAME_TEXT_CHARS); the old names, kept for callers.
+REASON_INVALID = reasons.PYSPY_INVALID
+REASON_FAILED = reasons.PYSPY_FAILED
 
 MAIN_THREAD_NAME = "MainThread"
 # console's styling, when something in the rank's environment forces it on (CLICOLOR_FORCE).
@@ -47,9 +47,9 @@ def fetch(path: str, timeout: float = FETCH_TIMEOUT, trust: spool.Trust | None =
     try:
         body = worker_handlers.call(path, worker_handlers.PYSPY_DUMP, timeout, trust=trust)
     except SourceError as e:
-        if e.reason == "handler_failed":  # py-spy's own message is in it: bounded and repr'd by worker_client
-            raise SourceError(REASON_FAILED, f"{e} (is py-spy on the rank's PATH, and ptrace permitted in "
-                                             "its container?)") from e
+        if e.reason == reasons.HANDLER_FAILED:  # py-spy's own message is in it: bounded and repr'd by worker_client
+            raise SourceError(reasons.PYSPY_FAILED, f"{e} (is py-spy on the rank's PATH, and ptrace permitted in "
+                                                    "its container?)") from e
         raise
     return parse_dump(body, path)
 
@@ -63,11 +63,11 @@ def parse_dump(data: bytes, what: str) -> tuple[Frame, ...]:
     over; a frame line of the main thread that is not ``function (file[:line])`` refuses the dump.
     """
     if len(data) > MAX_DUMP_BYTES:
-        raise SourceError("oversized", f"{what}: py-spy dump larger than {MAX_DUMP_BYTES} bytes")
+        raise SourceError(reasons.OVERSIZED, f"{what}: py-spy dump larger than {MAX_DUMP_BYTES} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SourceError(REASON_INVALID, f"{what}: py-spy dump is not UTF-8") from e
+        raise SourceError(reasons.PYSPY_INVALID, f"{what}: py-spy dump is not UTF-8") from e
     if "\x1b" in text:
         text = _ANSI.sub("", text)
     pid: str | None = None
@@ -89,7 +89,7 @@ def parse_dump(data: bytes, what: str) -> tuple[Frame, ...]:
             current = None
             match = _THREAD.fullmatch(line)
             if match is None:
-                raise SourceError(REASON_INVALID, f"{what}: not a py-spy thread line: {line[:80]!r}")
+                raise SourceError(reasons.PYSPY_INVALID, f"{what}: not a py-spy thread line: {line[:80]!r}")
             if match.group(1) == pid and by_pid is None:
                 current = by_pid = []
             elif match.group(2) == MAIN_THREAD_NAME and by_name is None:
@@ -100,20 +100,20 @@ def parse_dump(data: bytes, what: str) -> tuple[Frame, ...]:
         if current is not None and len(current) < spool.MAX_STACK_FRAMES:
             current.append(_frame(line[4:], what))
     if pid is None:
-        raise SourceError(REASON_INVALID, f"{what}: not a py-spy dump (no 'Process <pid>:' line)")
+        raise SourceError(reasons.PYSPY_INVALID, f"{what}: not a py-spy dump (no 'Process <pid>:' line)")
     frames = by_pid if by_pid is not None else by_name
     if frames is None:
-        raise SourceError(REASON_INVALID, f"{what}: no main thread in py-spy's dump")
+        raise SourceError(reasons.PYSPY_INVALID, f"{what}: no main thread in py-spy's dump")
     return tuple(frames)
 
 
 def _frame(body: str, what: str) -> Frame:
     """'function (file:line)', 'function (file)' (no line: a native frame) -> (function, file, line)."""
     if len(body) > _MAX_FRAME_LINE:
-        raise SourceError(spool.LIMIT_TEXT, f"{what}: a py-spy frame of {len(body)} characters, over the bound")
+        raise SourceError(reasons.LIMIT_TEXT, f"{what}: a py-spy frame of {len(body)} characters, over the bound")
     function, sep, rest = body.partition(" (")
     if not sep or not rest.endswith(")") or not function:
-        raise SourceError(REASON_INVALID, f"{what}: not a py-spy frame line: {body[:80]!r}")
+        raise SourceError(reasons.PYSPY_INVALID, f"{what}: not a py-spy frame line: {body[:80]!r}")
     rest = rest[:-1]
     path, colon, number = rest.rpartition(":")
     if colon and number.isascii() and number.isdigit() and len(number) <= 18:
@@ -121,8 +121,8 @@ def _frame(body: str, what: str) -> Frame:
     else:
         path, line = rest, 0
     if not path:
-        raise SourceError(REASON_INVALID, f"{what}: a py-spy frame without a file: {body[:80]!r}")
+        raise SourceError(reasons.PYSPY_INVALID, f"{what}: a py-spy frame without a file: {body[:80]!r}")
     if len(function) > spool.MAX_FRAME_TEXT_CHARS or len(path) > spool.MAX_FRAME_TEXT_CHARS:
-        raise SourceError(spool.LIMIT_TEXT, f"{what}: a py-spy frame has a name over the bound of "
-                                            f"{spool.MAX_FRAME_TEXT_CHARS} characters")
+        raise SourceError(reasons.LIMIT_TEXT, f"{what}: a py-spy frame has a name over the bound of "
+                                              f"{spool.MAX_FRAME_TEXT_CHARS} characters")
     return function, path, line

@@ -20,7 +20,7 @@ import struct
 import time
 from typing import Any
 
-from frexporter import spool
+from frexporter import reasons, spool
 from frexporter.sources.base import SourceError
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
@@ -36,14 +36,14 @@ def trusted_owner(path: str, trust: spool.Trust) -> int:
     try:
         st = os.lstat(path)
     except FileNotFoundError as e:
-        raise SourceError("socket_missing", f"{path}: no such socket") from e
+        raise SourceError(reasons.SOCKET_MISSING, f"{path}: no such socket") from e
     except PermissionError as e:
-        raise SourceError("permission", f"{path}: permission denied") from e
+        raise SourceError(reasons.PERMISSION, f"{path}: permission denied") from e
     except OSError as e:
-        raise SourceError("socket_error", f"{path}: {e.strerror or e}") from e
+        raise SourceError(reasons.SOCKET_ERROR, f"{path}: {e.strerror or e}") from e
     problem = spool.socket_problem(st, trust)
     if problem is not None:
-        raise SourceError("socket_untrusted", f"{path}: {problem}; not connecting")
+        raise SourceError(reasons.SOCKET_UNTRUSTED, f"{path}: {problem}; not connecting")
     return st.st_uid
 
 
@@ -56,10 +56,10 @@ def _check_peer(sock: socket.socket, path: str, owner: int) -> None:
     try:
         _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _UCRED.size))
     except OSError as e:
-        raise SourceError("socket_error", f"{path}: {e.strerror or e}") from e
+        raise SourceError(reasons.SOCKET_ERROR, f"{path}: {e.strerror or e}") from e
     if uid != owner:
-        raise SourceError("socket_untrusted", f"{path}: answered by uid {uid}, but the socket belongs to uid "
-                                              f"{owner} (replaced while connecting?); nothing sent")
+        raise SourceError(reasons.SOCKET_UNTRUSTED, f"{path}: answered by uid {uid}, but the socket belongs to uid "
+                                                    f"{owner} (replaced while connecting?); nothing sent")
 
 
 def post(path: str, handler: str, timeout: float, query: str = "",
@@ -76,15 +76,15 @@ def post(path: str, handler: str, timeout: float, query: str = "",
         try:
             sock.connect(path)
         except FileNotFoundError as e:
-            raise SourceError("socket_missing", f"{path}: no such socket") from e
+            raise SourceError(reasons.SOCKET_MISSING, f"{path}: no such socket") from e
         except ConnectionRefusedError as e:
-            raise SourceError("socket_refused", f"{path}: connection refused (rank gone?)") from e
+            raise SourceError(reasons.SOCKET_REFUSED, f"{path}: connection refused (rank gone?)") from e
         except PermissionError as e:
-            raise SourceError("permission", f"{path}: permission denied") from e
+            raise SourceError(reasons.PERMISSION, f"{path}: permission denied") from e
         except TimeoutError as e:
-            raise SourceError("socket_timeout", f"{path}: connect timed out") from e
+            raise SourceError(reasons.SOCKET_TIMEOUT, f"{path}: connect timed out") from e
         except OSError as e:
-            reason = "socket_refused" if e.errno in (errno.ECONNREFUSED, errno.ENOTSOCK) else "socket_error"
+            reason = reasons.SOCKET_REFUSED if e.errno in (errno.ECONNREFUSED, errno.ENOTSOCK) else reasons.SOCKET_ERROR
             raise SourceError(reason, f"{path}: {e.strerror or e}") from e
         _check_peer(sock, path, owner)
         target = f"/handler/{handler}" + (f"?{query}" if query else "")
@@ -96,9 +96,9 @@ def post(path: str, handler: str, timeout: float, query: str = "",
             sock.sendall(request)
             data = _receive(sock, deadline, max_bytes, path)
         except TimeoutError as e:
-            raise SourceError("socket_timeout", f"{path}: no answer to {handler} within {timeout:.1f}s") from e
+            raise SourceError(reasons.SOCKET_TIMEOUT, f"{path}: no answer to {handler} within {timeout:.1f}s") from e
         except OSError as e:
-            raise SourceError("socket_error", f"{path}: {e.strerror or e}") from e
+            raise SourceError(reasons.SOCKET_ERROR, f"{path}: {e.strerror or e}") from e
     finally:
         sock.close()
     return _parse_response(data, path, handler)
@@ -122,14 +122,14 @@ def _receive(sock: socket.socket, deadline: float, max_bytes: int, path: str) ->
             return data
         data += chunk
         if len(data) > max_bytes + _MAX_HEAD_BYTES:
-            raise SourceError("oversized", f"{path}: response larger than {max_bytes} bytes")
+            raise SourceError(reasons.OVERSIZED, f"{path}: response larger than {max_bytes} bytes")
         if expected is None and len(data) - len(chunk) < _MAX_HEAD_BYTES:
             # Only the start can hold the head; looking for it in every recv of a 1 MB FR dump would scan
             # the dump over and over.
             expected = _expected_length(bytes(data[:_MAX_HEAD_BYTES]))
             if expected is not None and expected > max_bytes + _MAX_HEAD_BYTES:
-                raise SourceError("oversized", f"{path}: response of {expected} bytes announced, over the bound "
-                                               f"of {max_bytes}; not read")
+                raise SourceError(reasons.OVERSIZED, f"{path}: response of {expected} bytes announced, over the bound "
+                                                     f"of {max_bytes}; not read")
         if expected is not None and len(data) >= expected:
             return data
 
@@ -164,7 +164,7 @@ def _parse_response(data: bytes | bytearray, path: str, handler: str) -> bytes |
     """The body of ``data``; a bytearray's is cut out in place (an FR answer can be tens of MB)."""
     head_end = data.find(b"\r\n\r\n")
     if head_end < 0:
-        raise SourceError("bad_response", f"{path}: incomplete HTTP response to {handler}")
+        raise SourceError(reasons.BAD_RESPONSE, f"{path}: incomplete HTTP response to {handler}")
     head = bytes(data[:head_end])
     if isinstance(data, bytearray):
         del data[: head_end + 4]
@@ -174,11 +174,11 @@ def _parse_response(data: bytes | bytearray, path: str, handler: str) -> bytes |
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
-        raise SourceError("bad_response", f"{path}: not an HTTP response")
+        raise SourceError(reasons.BAD_RESPONSE, f"{path}: not an HTTP response")
     try:
         code = int(parts[1])
     except ValueError as e:
-        raise SourceError("bad_response", f"{path}: bad HTTP status line") from e
+        raise SourceError(reasons.BAD_RESPONSE, f"{path}: bad HTTP status line") from e
     headers = {}
     for line in lines[1:]:
         name, _, value = line.partition(b":")
@@ -189,17 +189,17 @@ def _parse_response(data: bytes | bytearray, path: str, handler: str) -> bytes |
         try:
             length = int(headers[b"content-length"])
         except ValueError as e:
-            raise SourceError("bad_response", f"{path}: bad Content-Length") from e
+            raise SourceError(reasons.BAD_RESPONSE, f"{path}: bad Content-Length") from e
         if length < 0:
-            raise SourceError("bad_response", f"{path}: bad Content-Length")
+            raise SourceError(reasons.BAD_RESPONSE, f"{path}: bad Content-Length")
         if len(body) < length:
-            raise SourceError("bad_response", f"{path}: truncated response to {handler}")
+            raise SourceError(reasons.BAD_RESPONSE, f"{path}: truncated response to {handler}")
         if len(body) > length:
             body = body[:length]
     if code == 404:
-        raise SourceError("handler_missing", f"{path}: handler {handler} not available in this torch")
+        raise SourceError(reasons.HANDLER_MISSING, f"{path}: handler {handler} not available in this torch")
     if code != 200:
-        raise SourceError("handler_failed", f"{path}: {handler} answered HTTP {code}: {body[:200]!r}")
+        raise SourceError(reasons.HANDLER_FAILED, f"{path}: {handler} answered HTTP {code}: {body[:200]!r}")
     return body
 
 
@@ -209,13 +209,13 @@ def _dechunk(body: bytes, path: str) -> bytes:
     while True:
         line_end = body.find(b"\r\n", pos)
         if line_end < 0:
-            raise SourceError("bad_response", f"{path}: truncated chunked response")
+            raise SourceError(reasons.BAD_RESPONSE, f"{path}: truncated chunked response")
         try:
             size = int(body[pos:line_end].split(b";")[0], 16)
         except ValueError as e:
-            raise SourceError("bad_response", f"{path}: bad chunk size") from e
+            raise SourceError(reasons.BAD_RESPONSE, f"{path}: bad chunk size") from e
         if size < 0:  # would move pos backwards: the same chunk line again, forever
-            raise SourceError("bad_response", f"{path}: bad chunk size")
+            raise SourceError(reasons.BAD_RESPONSE, f"{path}: bad chunk size")
         if size == 0:
             return bytes(out)
         start = line_end + 2
@@ -228,4 +228,4 @@ def post_json(path: str, handler: str, timeout: float, query: str = "", trust: s
     try:
         return json.loads(body)
     except ValueError as e:
-        raise SourceError("bad_response", f"{path}: {handler} returned invalid JSON") from e
+        raise SourceError(reasons.BAD_RESPONSE, f"{path}: {handler} returned invalid JSON") from e

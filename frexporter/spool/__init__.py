@@ -10,6 +10,18 @@ read here comes from another process and is untrusted. The names are re-exported
 
 from __future__ import annotations
 
+# Reasons and rank lifecycle states the spool's parsers use, under the names callers have long said
+# ``spool.X`` for; the one spelling of each is frexporter.reasons and frexporter.model.
+from frexporter.model import MANIFEST_STATES, STATE_RUNNING, STATE_STARTING
+from frexporter.reasons import (
+    LAUNCHER_INVALID,
+    LIMIT_ITEMS,
+    LIMIT_MEMBERS,
+    LIMIT_REASONS,
+    LIMIT_TEXT,
+    SNAPSHOT_FIELD_INVALID,
+    TEXT_REPAIRED,
+)
 from frexporter.spool.files import (
     _open_temp,
     open_regular,
@@ -19,12 +31,6 @@ from frexporter.spool.files import (
     write_json_atomic,
 )
 from frexporter.spool.formats import (
-    LAUNCHER_INVALID,
-    MANIFEST_STATES,
-    SNAPSHOT_FIELD_INVALID,
-    STATE_RUNNING,
-    STATE_STARTING,
-    TEXT_REPAIRED,
     Launcher,
     Manifest,
     Members,
@@ -69,10 +75,6 @@ from frexporter.spool.layout import (
     socket_name,
 )
 from frexporter.spool.limits import (
-    LIMIT_ITEMS,
-    LIMIT_MEMBERS,
-    LIMIT_REASONS,
-    LIMIT_TEXT,
     MAX_ERROR_KIND_CHARS,
     MAX_ERROR_KINDS,
     MAX_FRAME_TEXT_CHARS,

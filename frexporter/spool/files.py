@@ -10,6 +10,7 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
+from frexporter import reasons
 from frexporter.spool.layout import FILE_MODE, SpoolError, file_mode
 
 
@@ -78,24 +79,25 @@ def open_regular(name: str, dir_fd: int | None = None, what: str | None = None) 
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError as e:
-        raise SpoolError("missing", f"{shown}: vanished while reading") from e
+        raise SpoolError(reasons.MISSING, f"{shown}: vanished while reading") from e
     except PermissionError as e:
-        raise SpoolError("permission", f"{shown}: permission denied") from e
+        raise SpoolError(reasons.PERMISSION, f"{shown}: permission denied") from e
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise SpoolError("foreign", f"{shown}: a symbolic link; refused") from e
-        raise SpoolError("io", f"{shown}: {e.strerror or e}") from e
+            raise SpoolError(reasons.FOREIGN, f"{shown}: a symbolic link; refused") from e
+        raise SpoolError(reasons.IO, f"{shown}: {e.strerror or e}") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise SpoolError("foreign", f"{shown}: not a regular file")
+            raise SpoolError(reasons.FOREIGN, f"{shown}: not a regular file")
         # A second name may be a file from outside the spool linked in. No name at all is the version a writer
         # replaced between our open and this fstat: its content was the spool's, so it is read like any other.
         if st.st_nlink > 1:
-            raise SpoolError("foreign", f"{shown}: has {st.st_nlink} names (a hard link from elsewhere?); refused")
+            raise SpoolError(reasons.FOREIGN,
+                             f"{shown}: has {st.st_nlink} names (a hard link from elsewhere?); refused")
     except OSError as e:
         os.close(fd)
-        raise SpoolError("io", f"{shown}: {e.strerror or e}") from e
+        raise SpoolError(reasons.IO, f"{shown}: {e.strerror or e}") from e
     except BaseException:
         os.close(fd)
         raise
@@ -114,25 +116,25 @@ def read_json_at(name: str, max_bytes: int, dir_fd: int | None = None,
     fd, st = open_regular(name, dir_fd, shown)
     try:
         if st.st_size > max_bytes:
-            raise SpoolError("oversized", f"{shown}: larger than the {max_bytes} byte limit")
+            raise SpoolError(reasons.OVERSIZED, f"{shown}: larger than the {max_bytes} byte limit")
         with open(fd, "rb", closefd=False) as f:
             data = f.read(max_bytes + 1)
     except OSError as e:
-        raise SpoolError("io", f"{shown}: {e.strerror or e}") from e
+        raise SpoolError(reasons.IO, f"{shown}: {e.strerror or e}") from e
     finally:
         os.close(fd)
     if len(data) > max_bytes:
-        raise SpoolError("oversized", f"{shown}: larger than the {max_bytes} byte limit")
+        raise SpoolError(reasons.OVERSIZED, f"{shown}: larger than the {max_bytes} byte limit")
     return parse_json_bytes(data, shown), st
 
 
 def parse_json_bytes(data: bytes, path: str) -> Any:
     if not data:
-        raise SpoolError("truncated", f"{path}: empty file")
+        raise SpoolError(reasons.TRUNCATED, f"{path}: empty file")
     try:
         return json.loads(data)
     except (UnicodeDecodeError, ValueError) as e:
-        reason = "truncated" if data.lstrip()[:1] in (b"{", b"[") else "corrupt"
+        reason = reasons.TRUNCATED if data.lstrip()[:1] in (b"{", b"[") else reasons.CORRUPT
         raise SpoolError(reason, f"{path}: not valid JSON ({e})") from e
     except RecursionError as e:  # nesting deeper than the interpreter's stack: no writer of ours does that
-        raise SpoolError("corrupt", f"{path}: JSON nested too deeply") from e
+        raise SpoolError(reasons.CORRUPT, f"{path}: JSON nested too deeply") from e

@@ -8,13 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from frexporter import safetext
-from frexporter.model import Members
+from frexporter import reasons, safetext
+from frexporter.model import MANIFEST_STATES, STATE_RUNNING, Members
 from frexporter.spool.layout import INT_MAX, INT_MIN, MANIFEST_FORMAT, SNAPSHOT_FORMAT, SNAPSHOT_MAP_FORMAT, SpoolError
 from frexporter.spool.limits import (
-    LIMIT_ITEMS,
-    LIMIT_MEMBERS,
-    LIMIT_TEXT,
     MAX_ERROR_KIND_CHARS,
     MAX_ERROR_KINDS,
     MAX_FRAME_TEXT_CHARS,
@@ -44,15 +41,6 @@ class PGEntry:
     backend: str
     local_ids: Mapping[str, int] = field(default_factory=dict)  # recorder -> predicted local pg id
     timeout_seconds: float | None = None
-
-
-# A rank's life as its manifest states it: "starting" (install() ran, no process group yet: the rank is
-# identified by its launcher's facts only) or "running" (identified by its default process group).
-STATE_STARTING = "starting"
-STATE_RUNNING = "running"
-MANIFEST_STATES = (STATE_STARTING, STATE_RUNNING)
-# A launcher field dropped from a manifest (missing fields are not errors), counted by reason.
-LAUNCHER_INVALID = "launcher_invalid"
 
 
 @dataclass(frozen=True)
@@ -96,10 +84,10 @@ def parse_launcher(raw: Any, what: str) -> tuple[Launcher | None, tuple[tuple[st
     if raw is None:
         return None, ()
     if not isinstance(raw, dict):
-        return None, ((LAUNCHER_INVALID, f"{what}: launcher is not an object; dropped"),)
+        return None, ((reasons.LAUNCHER_INVALID, f"{what}: launcher is not an object; dropped"),)
     if len(raw) > MAX_LAUNCHER_FIELDS:
-        return None, ((LIMIT_ITEMS, f"{what}: launcher has {len(raw)} fields, over the bound of "
-                                    f"{MAX_LAUNCHER_FIELDS}; dropped"),)
+        return None, ((reasons.LIMIT_ITEMS, f"{what}: launcher has {len(raw)} fields, over the bound of "
+                                            f"{MAX_LAUNCHER_FIELDS}; dropped"),)
     problems: list[tuple[str, str]] = []
     values: dict[str, Any] = {}
     for key in _LAUNCHER_INTS:
@@ -107,8 +95,8 @@ def parse_launcher(raw: Any, what: str) -> tuple[Launcher | None, tuple[tuple[st
             continue
         value = raw[key]
         if type(value) is not int or not 0 <= value <= MAX_RANK:
-            problems.append((LAUNCHER_INVALID, f"{what}: launcher.{key} is not an integer from 0 to {MAX_RANK}; "
-                                               "dropped"))
+            problems.append((reasons.LAUNCHER_INVALID, f"{what}: launcher.{key} is not an integer from 0 to "
+                                                       f"{MAX_RANK}; dropped"))
             continue
         values[key] = value
     for key in _LAUNCHER_TEXTS:
@@ -116,12 +104,12 @@ def parse_launcher(raw: Any, what: str) -> tuple[Launcher | None, tuple[tuple[st
             continue
         value = raw[key]
         if not isinstance(value, str):
-            problems.append((LAUNCHER_INVALID, f"{what}: launcher.{key} is not a string; dropped"))
+            problems.append((reasons.LAUNCHER_INVALID, f"{what}: launcher.{key} is not a string; dropped"))
         elif len(value) > MAX_TEXT_CHARS:
-            problems.append((LIMIT_TEXT, f"{what}: launcher.{key} is {len(value)} characters long, over the "
-                                         f"bound of {MAX_TEXT_CHARS}; dropped"))
+            problems.append((reasons.LIMIT_TEXT, f"{what}: launcher.{key} is {len(value)} characters long, over the "
+                                                 f"bound of {MAX_TEXT_CHARS}; dropped"))
         elif not safetext.is_valid(value):
-            problems.append((LAUNCHER_INVALID, f"{what}: launcher.{key} is not UTF-8; dropped"))
+            problems.append((reasons.LAUNCHER_INVALID, f"{what}: launcher.{key} is not UTF-8; dropped"))
         else:
             values[key] = value
     return Launcher(**values), tuple(problems)
@@ -174,7 +162,7 @@ class Snapshot:
     counter: int
     status: Mapping[str, Mapping[int, RawPGStatus]]  # recorder -> local pg id -> status
     errors: Mapping[str, int]
-    state: str  # "running", "exiting", "stopped"
+    state: str  # model.STATE_*: what the rank says of itself (exiting, stopped: its last words)
     message: str
     # The process's CPU seconds so far, and its training thread's stack, innermost first, as
     # (function, file, line); None / () where the snapshot did not carry them (older recorders) or they
@@ -184,45 +172,37 @@ class Snapshot:
     problems: tuple[tuple[str, str], ...] = ()  # (reason, message) of each optional field dropped
 
 
-# An optional snapshot field (cpu, stack) dropped as malformed; counted by reason, the snapshot stands.
-SNAPSHOT_FIELD_INVALID = "snapshot_field_invalid"
-# A string that held lone surrogates (bytes that were not UTF-8, e.g. a Latin-1 environment value), kept with
-# each one replaced by U+FFFD: refusing the file would lose an honest rank, keeping the string as it is would
-# fail every render of /metrics (a label value must encode as UTF-8).
-TEXT_REPAIRED = "text_repaired"
-
-
 def parse_stack(raw: Any, what: str) -> tuple[tuple[tuple[str, str, int], ...], tuple[tuple[str, str], ...]]:
     """A snapshot's ``stack``, leniently: a malformed stack is dropped whole and reported as (reason, message),
     never failing the snapshot (a stack must not cost a rank its other metrics)."""
     if raw is None:
         return (), ()
     if not isinstance(raw, list):
-        return (), ((SNAPSHOT_FIELD_INVALID, f"{what}: stack is not a list; dropped"),)
+        return (), ((reasons.SNAPSHOT_FIELD_INVALID, f"{what}: stack is not a list; dropped"),)
     if len(raw) > MAX_STACK_FRAMES:
-        return (), ((LIMIT_ITEMS, f"{what}: stack has {len(raw)} frames, over the bound of {MAX_STACK_FRAMES}; "
-                                  "dropped"),)
+        return (), ((reasons.LIMIT_ITEMS, f"{what}: stack has {len(raw)} frames, over the bound of {MAX_STACK_FRAMES}; "
+                                          "dropped"),)
     out = []
     for i, frame in enumerate(raw):
         if (not isinstance(frame, list) or len(frame) != 3 or not isinstance(frame[0], str)
                 or not isinstance(frame[1], str) or type(frame[2]) is not int or not 0 <= frame[2] <= INT_MAX):
-            return (), ((SNAPSHOT_FIELD_INVALID, f"{what}: stack[{i}] is not [function, file, line]; dropped"),)
+            return (), ((reasons.SNAPSHOT_FIELD_INVALID, f"{what}: stack[{i}] is not [function, file, line]; dropped"),)
         if len(frame[0]) > MAX_FRAME_TEXT_CHARS or len(frame[1]) > MAX_FRAME_TEXT_CHARS:
-            return (), ((LIMIT_TEXT, f"{what}: stack[{i}] has a string over the bound of {MAX_FRAME_TEXT_CHARS} "
-                                     "characters; dropped"),)
+            return (), ((reasons.LIMIT_TEXT, f"{what}: stack[{i}] has a string over the bound of "
+                                             f"{MAX_FRAME_TEXT_CHARS} characters; dropped"),)
         if not safetext.is_valid(frame[0]) or not safetext.is_valid(frame[1]):
-            return (), ((SNAPSHOT_FIELD_INVALID, f"{what}: stack[{i}] is not UTF-8; dropped"),)
+            return (), ((reasons.SNAPSHOT_FIELD_INVALID, f"{what}: stack[{i}] is not UTF-8; dropped"),)
         out.append((frame[0], frame[1], frame[2]))
     return tuple(out), ()
 
 
 class _Fields:
-    """Typed access to an untrusted JSON object; every miss is a SpoolError('invalid'), every string and
-    list past its bound a SpoolError with a LIMIT_REASONS reason."""
+    """Typed access to an untrusted JSON object; every miss is a SpoolError(reasons.INVALID), every string and
+    list past its bound a SpoolError with one of reasons.LIMIT_REASONS."""
 
     def __init__(self, obj: Any, what: str, problems: list[tuple[str, str]] | None = None) -> None:
         if not isinstance(obj, dict):
-            raise SpoolError("invalid", f"{what}: expected an object, got {type(obj).__name__}")
+            raise SpoolError(reasons.INVALID, f"{what}: expected an object, got {type(obj).__name__}")
         self.obj = obj
         self.what = what
         # (TEXT_REPAIRED, message) per string repaired; shared by the views of one file
@@ -235,14 +215,14 @@ class _Fields:
     def _get(self, key: str, types: tuple[type, ...], default: Any) -> Any:
         if key not in self.obj:
             if default is _REQUIRED:
-                raise SpoolError("invalid", f"{self.what}: missing field {key!r}")
+                raise SpoolError(reasons.INVALID, f"{self.what}: missing field {key!r}")
             return default
         value = self.obj[key]
         # bool is an int subclass; a manifest that says rank=true is malformed.
         if isinstance(value, bool) and bool not in types:
-            raise SpoolError("invalid", f"{self.what}: field {key!r} has the wrong type")
+            raise SpoolError(reasons.INVALID, f"{self.what}: field {key!r} has the wrong type")
         if not isinstance(value, types):
-            raise SpoolError("invalid", f"{self.what}: field {key!r} has the wrong type")
+            raise SpoolError(reasons.INVALID, f"{self.what}: field {key!r} has the wrong type")
         return value
 
     def str(self, key: str, default: Any = None, limit: int = MAX_TEXT_CHARS) -> str:
@@ -252,27 +232,27 @@ class _Fields:
     def int(self, key: str, default: Any = None) -> int:
         value = self._get(key, (int,), _REQUIRED if default is None else default)
         if not INT_MIN <= value <= INT_MAX:
-            raise SpoolError("invalid", f"{self.what}: field {key!r} is out of range")
+            raise SpoolError(reasons.INVALID, f"{self.what}: field {key!r} is out of range")
         return value
 
     def num(self, key: str, default: Any = None) -> float:
         value = _finite(self._get(key, (int, float), _REQUIRED if default is None else default))
         if value is None:
-            raise SpoolError("invalid", f"{self.what}: field {key!r} is not a finite number")
+            raise SpoolError(reasons.INVALID, f"{self.what}: field {key!r} is not a finite number")
         return value
 
     def list(self, key: str, default: Any = None, limit: int | None = None) -> list[Any]:
         value = self._get(key, (list,), _REQUIRED if default is None else default)
         if limit is not None and len(value) > limit:
-            raise SpoolError(LIMIT_ITEMS, f"{self.what}: field {key!r} has {len(value)} items, over the "
-                                          f"bound of {limit}")
+            raise SpoolError(reasons.LIMIT_ITEMS, f"{self.what}: field {key!r} has {len(value)} items, over the "
+                                                  f"bound of {limit}")
         return value
 
     def dict(self, key: str, default: Any = None, limit: int | None = None) -> dict[str, Any]:
         value = self._get(key, (dict,), _REQUIRED if default is None else default)
         if limit is not None and len(value) > limit:
-            raise SpoolError(LIMIT_ITEMS, f"{self.what}: field {key!r} has {len(value)} entries, over the "
-                                          f"bound of {limit}")
+            raise SpoolError(reasons.LIMIT_ITEMS, f"{self.what}: field {key!r} has {len(value)} entries, over the "
+                                                  f"bound of {limit}")
         return value
 
     def names(self, key: str) -> tuple[str, ...]:
@@ -280,21 +260,22 @@ class _Fields:
         out = []
         for i, name in enumerate(self.list(key, [], limit=MAX_NAMES)):
             if not isinstance(name, str):
-                raise SpoolError("invalid", f"{self.what}: {key}[{i}] is not a string")
+                raise SpoolError(reasons.INVALID, f"{self.what}: {key}[{i}] is not a string")
             out.append(self.text(name, MAX_TEXT_CHARS, f"{self.what}: {key}[{i}]"))
         return tuple(out)
 
 
 def _bounded_text(value: str, limit: int, what: str) -> str:
     if len(value) > limit:
-        raise SpoolError(LIMIT_TEXT, f"{what} is {len(value)} characters long, over the bound of {limit}")
+        raise SpoolError(reasons.LIMIT_TEXT, f"{what} is {len(value)} characters long, over the bound of {limit}")
     return value
 
 
 def _repaired(value: str, what: str, problems: list[tuple[str, str]]) -> str:
     if safetext.is_valid(value):
         return value
-    problems.append((TEXT_REPAIRED, f"{what} is not valid UTF-8; its undecodable characters are shown as U+FFFD"))
+    problems.append((reasons.TEXT_REPAIRED,
+                     f"{what} is not valid UTF-8; its undecodable characters are shown as U+FFFD"))
     return safetext.repair(value)
 
 
@@ -330,9 +311,9 @@ def _int64(value: Any) -> int:
 def _check_format(obj: Any, expected: str, what: str) -> None:
     fmt = obj.get("format") if isinstance(obj, dict) else None
     if not isinstance(fmt, str) or not fmt.startswith("frexporter."):
-        raise SpoolError("foreign", f"{what}: not a frexporter file")
+        raise SpoolError(reasons.FOREIGN, f"{what}: not a frexporter file")
     if fmt != expected:
-        raise SpoolError("unknown_version", f"{what}: format {fmt[:64]!r} is not supported (want {expected!r})")
+        raise SpoolError(reasons.UNKNOWN_VERSION, f"{what}: format {fmt[:64]!r} is not supported (want {expected!r})")
 
 
 def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
@@ -345,19 +326,19 @@ def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
         ranks = raw.get("ranks") if isinstance(raw, dict) else None
         if isinstance(ranks, list):
             if len(ranks) > MAX_PG_MEMBERS:
-                raise SpoolError(LIMIT_MEMBERS, f"{what}: process_groups[{i}] lists {len(ranks)} members, "
-                                                f"over the bound of {MAX_PG_MEMBERS}")
+                raise SpoolError(reasons.LIMIT_MEMBERS, f"{what}: process_groups[{i}] lists {len(ranks)} members, "
+                                                        f"over the bound of {MAX_PG_MEMBERS}")
             total += len(ranks)
     if total > MAX_MANIFEST_MEMBERS:
-        raise SpoolError(LIMIT_MEMBERS, f"{what}: its process groups list {total} members in all, over the "
-                                        f"bound of {MAX_MANIFEST_MEMBERS}")
+        raise SpoolError(reasons.LIMIT_MEMBERS, f"{what}: its process groups list {total} members in all, over the "
+                                                f"bound of {MAX_MANIFEST_MEMBERS}")
     pgs = [_parse_pg(raw, f"{what}: process_groups[{i}]", f.problems) for i, raw in enumerate(raw_pgs)]
     rank = f.int("rank")
     if rank < 0:
-        raise SpoolError("invalid", f"{what}: rank must be >= 0")
+        raise SpoolError(reasons.INVALID, f"{what}: rank must be >= 0")
     state = f.str("state", STATE_RUNNING)
     if state not in MANIFEST_STATES:
-        raise SpoolError("invalid", f"{what}: state {state[:32]!r} is not one of {', '.join(MANIFEST_STATES)}")
+        raise SpoolError(reasons.INVALID, f"{what}: state {state[:32]!r} is not one of {', '.join(MANIFEST_STATES)}")
     launcher, launcher_problems = parse_launcher(obj.get("launcher"), what)
     return Manifest(
         job_id=f.str("job_id"),
@@ -387,11 +368,11 @@ def _parse_pg(raw: Any, what: str, problems: list[tuple[str, str]]) -> PGEntry:
     ranks = p.list("ranks")
     # type() rather than isinstance(): bool is an int subclass, and rank true is no rank.
     if not set(map(type, ranks)) <= {int}:
-        raise SpoolError("invalid", f"{what}.ranks must be non-negative integers")
+        raise SpoolError(reasons.INVALID, f"{what}.ranks must be non-negative integers")
     try:
         members = Members.of(ranks)
     except OverflowError as e:
-        raise SpoolError("invalid", f"{what}.ranks must be integers from 0 to {MAX_RANK}") from e
+        raise SpoolError(reasons.INVALID, f"{what}.ranks must be integers from 0 to {MAX_RANK}") from e
     local_ids = {}
     for k, v in p.dict("local_ids", {}, limit=MAX_NAMES).items():
         if isinstance(v, int) and not isinstance(v, bool):
@@ -411,9 +392,9 @@ def _parse_pg(raw: Any, what: str, problems: list[tuple[str, str]]) -> PGEntry:
 def parse_pg_status(raw: Any, what: str) -> dict[int, RawPGStatus]:
     """torch's ``pg_status``: ints in pickle dumps, strings in JSON dumps; accept both."""
     if not isinstance(raw, dict):
-        raise SpoolError("invalid", f"{what}: pg_status must be an object")
+        raise SpoolError(reasons.INVALID, f"{what}: pg_status must be an object")
     if len(raw) > MAX_PGS:
-        raise SpoolError(LIMIT_ITEMS, f"{what}: pg_status has {len(raw)} entries, over the bound of {MAX_PGS}")
+        raise SpoolError(reasons.LIMIT_ITEMS, f"{what}: pg_status has {len(raw)} entries, over the bound of {MAX_PGS}")
     out: dict[int, RawPGStatus] = {}
     for key, val in raw.items():
         try:
@@ -426,7 +407,7 @@ def parse_pg_status(raw: Any, what: str) -> dict[int, RawPGStatus]:
                 completed=_int64(val.get("last_completed_collective", -1)),
             )
         except (TypeError, ValueError, OverflowError) as e:
-            raise SpoolError("invalid", f"{what}: pg_status[{_show(key)}] is malformed") from e
+            raise SpoolError(reasons.INVALID, f"{what}: pg_status[{_show(key)}] is malformed") from e
     return out
 
 
@@ -452,7 +433,7 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
     if cpu is not None:
         cpu = _finite(cpu) if not isinstance(cpu, bool | str) else None
         if cpu is None or cpu < 0:
-            problems.append((SNAPSHOT_FIELD_INVALID, f"{what}: cpu is not a non-negative number; dropped"))
+            problems.append((reasons.SNAPSHOT_FIELD_INVALID, f"{what}: cpu is not a non-negative number; dropped"))
             cpu = None
     stack, stack_problems = parse_stack(obj.get("stack"), what)
     problems.extend(stack_problems)
@@ -463,7 +444,7 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
         counter=f.int("counter", 0),
         status=status,
         errors=errors,
-        state=f.str("state", "running"),
+        state=f.str("state", STATE_RUNNING),
         message=f.str("message", "", limit=MAX_SNAPSHOT_BYTES)[:MAX_MESSAGE_CHARS],
         cpu=cpu,
         stack=stack,

@@ -8,8 +8,8 @@ MAX_SNAPSHOT_BYTES = 1024 * 1024
 # otherwise make it parse and keep state for as many manifests as the file system holds.
 MAX_RANKS_PER_NODE = 1024
 # Bounds on what a file parses into: the byte limits cap a file, not its parsed size (4 MiB of compact JSON
-# is 470,000 ranks). A file past a bound is refused whole with one of LIMIT_REASONS, never cut short: a
-# member list cut short would give wrong verdicts. The bounds leave room for the largest real jobs.
+# is 470,000 ranks). A file past a bound is refused whole with one of reasons.LIMIT_REASONS, never cut
+# short: a member list cut short would give wrong verdicts. The bounds leave room for the largest real jobs.
 MAX_PG_MEMBERS = 1 << 17  # members of one PG: the WORLD of a 131,072-rank job
 MAX_MANIFEST_MEMBERS = 1 << 19  # members over all PGs of one rank (WORLD and a few more groups that large)
 MAX_PGS = 4096  # process groups per rank, and pg_status entries per recorder
@@ -27,8 +27,3 @@ MAX_MESSAGE_CHARS = 500  # a snapshot's human message: cut there (text for peopl
 # past the training loop's own functions and keep the sample's cost in the snapshot's GIL budget.
 MAX_STACK_FRAMES = 32
 MAX_FRAME_TEXT_CHARS = 512
-# The reasons a file past a bound is refused with (frexporter_source_errors_total{reason}).
-LIMIT_MEMBERS = "limit_members"  # a PG's member list, or all member lists of one manifest
-LIMIT_ITEMS = "limit_items"  # any other list or map: PGs, pg_status entries, names, error kinds, FR entries
-LIMIT_TEXT = "limit_text"  # a string past its length bound
-LIMIT_REASONS = (LIMIT_MEMBERS, LIMIT_ITEMS, LIMIT_TEXT)

@@ -10,6 +10,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from frexporter import reasons
 from frexporter.spool.files import _open_temp, open_regular, parse_json_bytes
 from frexporter.spool.layout import SpoolError
 from frexporter.spool.limits import MAX_SNAPSHOT_BYTES
@@ -83,7 +84,7 @@ class SnapshotMap:
     def _grow(self, payload: bytes) -> None:
         need = MAP_HEADER_BYTES + len(payload)
         if need > MAX_SNAPSHOT_BYTES + MAP_HEADER_BYTES:
-            raise SpoolError("oversized", f"{self.path}: snapshot of {len(payload)} bytes is over the limit")
+            raise SpoolError(reasons.OVERSIZED, f"{self.path}: snapshot of {len(payload)} bytes is over the limit")
         size = MAP_INITIAL_CAPACITY
         while size < need:
             size *= 2
@@ -156,7 +157,7 @@ def read_snapshot_map_at(name: str, known: tuple[int, int] | None, max_bytes: in
     fd, st = open_regular(name, dir_fd, path)
     try:
         if st.st_size > max_bytes + MAP_HEADER_BYTES:
-            raise SpoolError("oversized", f"{path}: larger than the {max_bytes} byte limit")
+            raise SpoolError(reasons.OVERSIZED, f"{path}: larger than the {max_bytes} byte limit")
         problem: SpoolError | None = None
         for _ in range(_MAP_READ_ATTEMPTS):
             # The header first: most polls find nothing new, and the file is far larger than its payload.
@@ -175,7 +176,7 @@ def read_snapshot_map_at(name: str, known: tuple[int, int] | None, max_bytes: in
         assert problem is not None
         raise SpoolError(problem.reason, f"{problem} ({_MAP_READ_ATTEMPTS} reads in a row)")
     except OSError as e:
-        raise SpoolError("io", f"{path}: {e.strerror or e}") from e
+        raise SpoolError(reasons.IO, f"{path}: {e.strerror or e}") from e
     finally:
         os.close(fd)
 
@@ -184,22 +185,22 @@ def _map_payload(data: bytes, path: str, file_size: int) -> tuple[bytes | None, 
     """The payload, or None and what is wrong with this read (the caller reads again: the header's fields are
     stored a byte at a time, so a read that races the writer can see any mix of old and new values)."""
     if len(data) < MAP_HEADER_BYTES:
-        raise SpoolError("truncated", f"{path}: shorter than its header")
+        raise SpoolError(reasons.TRUNCATED, f"{path}: shorter than its header")
     magic, seq, length, crc = _MAP_HEADER.unpack_from(data)
     if magic != _MAP_MAGIC:
         if magic[:7] == _MAP_MAGIC_PREFIX:
-            raise SpoolError("unknown_version", f"{path}: mapped snapshot version {magic[7]} is not supported")
-        raise SpoolError("foreign", f"{path}: not a frexporter snapshot")
+            raise SpoolError(reasons.UNKNOWN_VERSION, f"{path}: mapped snapshot version {magic[7]} is not supported")
+        raise SpoolError(reasons.FOREIGN, f"{path}: not a frexporter snapshot")
     if seq % 2:
-        return None, SpoolError("torn", f"{path}: its writer stopped inside an update")
+        return None, SpoolError(reasons.TORN, f"{path}: its writer stopped inside an update")
     if not length:  # never written by an update: a read that raced one (pack_into zeroes a field first)
-        return None, SpoolError("torn", f"{path}: empty payload")
+        return None, SpoolError(reasons.TORN, f"{path}: empty payload")
     end = MAP_HEADER_BYTES + length
     if end > len(data):
         if end <= file_size:  # the length grew between the header's read and this one: a race, not damage
-            return None, SpoolError("torn", f"{path}: changed while it was read")
-        return None, SpoolError("truncated", f"{path}: payload of {length} bytes runs past the end of the file")
+            return None, SpoolError(reasons.TORN, f"{path}: changed while it was read")
+        return None, SpoolError(reasons.TRUNCATED, f"{path}: payload of {length} bytes runs past the end of the file")
     payload = data[MAP_HEADER_BYTES:end]
     if zlib.crc32(payload) != crc:
-        return None, SpoolError("torn", f"{path}: payload does not match its checksum")
+        return None, SpoolError(reasons.TORN, f"{path}: payload does not match its checksum")
     return payload, None

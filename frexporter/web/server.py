@@ -65,7 +65,6 @@ HEADER_TIMEOUT = 10.0
 IDLE_TIMEOUT = 120.0
 # The longest one write of a response may take (a /metrics body is at most a few MB, less gzipped).
 WRITE_TIMEOUT = 30.0
-DEFAULT_MAX_CONNECTIONS = defaults.WEB_MAX_CONNECTIONS
 # socketserver's default of 5 refuses a burst of connections that the accept loop would take in microseconds.
 LISTEN_BACKLOG = 128
 # Cached /metrics renderings per snapshot: the OpenMetrics content type carries the version the client's Accept
@@ -252,7 +251,7 @@ class _Server(ThreadingHTTPServer):
     extra_headers: dict[str, str] = {}
     debug_endpoints: bool = False
     evidence_dir: str = ""
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections: int = defaults.WEB_MAX_CONNECTIONS
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
         self._open: set[socket.socket] = set()
@@ -522,7 +521,7 @@ def _selection(query: str) -> tuple[Names, str]:
 class MetricsServer:
     def __init__(self, exporter: Exporter, host: str, port: int, web_config: WebConfig | None = None,
                  debug_endpoints: bool = False, evidence_dir: str = "", nvlink_per_link: bool = False,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = defaults.WEB_MAX_CONNECTIONS) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         # Collectors without describe(): restricted_registry (name[]) filters their output only with this on.

@@ -6,10 +6,9 @@ The other names are for benchmarks and tests that reason about its rules.
 
 from __future__ import annotations
 
-from frexporter.sources.ranks.config import DEFAULT_DEEP_INTERVAL, RanksConfig
+from frexporter.sources.ranks.config import RanksConfig
 from frexporter.sources.ranks.problems import LOG_BURST, LOG_WINDOW
 from frexporter.sources.ranks.sockets import routine_deep_interval
 from frexporter.sources.ranks.source import RanksSource
 
-__all__ = ["DEFAULT_DEEP_INTERVAL", "LOG_BURST", "LOG_WINDOW", "RanksConfig", "RanksSource",
-           "routine_deep_interval"]
+__all__ = ["LOG_BURST", "LOG_WINDOW", "RanksConfig", "RanksSource", "routine_deep_interval"]

@@ -9,15 +9,13 @@ from frexporter.sources import pyspy
 from frexporter.sources.collectives import DEFAULT_WINDOW
 from frexporter.sources.thresholds import ThresholdConfig
 
-DEFAULT_DEEP_INTERVAL = defaults.DEEP_INTERVAL
-
 
 @dataclass(frozen=True)
 class RanksConfig:
     directory: str
     poll_interval: float = defaults.POLL_INTERVAL
     rank_timeout: float = defaults.RANK_TIMEOUT  # longest any one rank may hold a poll
-    deep_interval: float = DEFAULT_DEEP_INTERVAL  # least time between deep reads that only refresh settled values
+    deep_interval: float = defaults.DEEP_INTERVAL  # least time between deep reads that only refresh settled values
     deep_read_share: float = defaults.DEEP_READ_SHARE  # ... and longer where reads are slow (routine_deep_interval)
     departed_grace: float = defaults.DEPARTED_GRACE  # keep exporting a dead or exited rank this long
     max_workers: int = 8

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 
-from frexporter import spool
+from frexporter import reasons, spool
 from frexporter.sources.base import SourceError
 from frexporter.sources.ranks.problems import Problems
 from frexporter.spool import PermissionProblem
 
-REASON = "unsafe_permissions"
+REASON = reasons.UNSAFE_PERMISSIONS  # what this policy counts (cli.py reads its count by it)
 
 
 class PermissionPolicy:

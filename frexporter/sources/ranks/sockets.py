@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from frexporter import spool
+from frexporter import reasons, spool
 from frexporter.errors import FrexporterError
 from frexporter.fr import trace
 from frexporter.fr.domain import translate
-from frexporter.model import RANK_UNRESPONSIVE
+from frexporter.model import RANK_UNRESPONSIVE, STATE_EXITING
 from frexporter.sources import pyspy, worker_handlers
 from frexporter.sources.base import SourceError
 from frexporter.sources.ranks import liveness
@@ -32,7 +32,7 @@ from frexporter.sources.ranks.track import PGTrack, RankTrack
 from frexporter.spool import Manifest
 
 # Socket failures after which a rank counts as having no live socket (a timeout means a wedged one).
-_SOCKET_GONE = ("socket_missing", "socket_refused", "socket_untrusted")
+_SOCKET_GONE = (reasons.SOCKET_MISSING, reasons.SOCKET_REFUSED, reasons.SOCKET_UNTRUSTED)
 
 
 def routine_deep_interval(read_seconds: float | None, config: RanksConfig) -> float:
@@ -100,7 +100,7 @@ class SocketScheduler:
             name = track.manifest.socket
             if not name:
                 continue
-            if track.snapshot is not None and track.snapshot.state == "exiting":
+            if track.snapshot is not None and track.snapshot.state == STATE_EXITING:
                 continue
             stale = self.stale(track, mono)
             ping = stale and track.ping_pending is None and track.deep_pending is None
@@ -200,7 +200,7 @@ class SocketScheduler:
                 else:
                     reason = error.reason if isinstance(error, FrexporterError) else ""
                     track.socket_alive = reason not in _SOCKET_GONE
-                    self.log_once(track, as_source_error(error, "socket_error", track.stem))
+                    self.log_once(track, as_source_error(error, reasons.SOCKET_ERROR, track.stem))
             if track.deep_pending is not None and track.deep_pending.done():
                 read, error = outcome(track.deep_pending)
                 track.deep_pending = None
@@ -213,7 +213,7 @@ class SocketScheduler:
                     if isinstance(error, FrexporterError) and error.reason in _SOCKET_GONE:
                         track.socket_alive = False
                     track.deep_time, track.deep_mono = now, mono  # do not hammer a failing socket every poll
-                    self.log_once(track, as_source_error(error, "bad_response", track.stem))
+                    self.log_once(track, as_source_error(error, reasons.BAD_RESPONSE, track.stem))
 
     def _absorb_stack(self, track: RankTrack) -> None:
         """A finished py-spy fetch (never waited for: a poll takes what is done). Its frames stand for the
@@ -223,7 +223,7 @@ class SocketScheduler:
         (future, wedge), track.stack_pending = track.stack_pending, None
         frames, error = outcome(future)
         if error is not None:  # the socket's failure, py-spy's, or an answer the parser refused or misunderstood
-            self.log_once(track, as_source_error(error, pyspy.REASON_INVALID, track.stem))
+            self.log_once(track, as_source_error(error, reasons.PYSPY_INVALID, track.stem))
             return
         if wedge == track.liveness.wedges and track.liveness.status == RANK_UNRESPONSIVE:
             track.stack_frames = frames
@@ -246,11 +246,11 @@ class SocketScheduler:
             missed = self._feed.absorb(track, recorder, dump)
             if missed:
                 self.log_once(track, SourceError(
-                    "fr_entries_missed", f"{track.stem}: {missed} {recorder} Flight Recorder entries left the ring "
-                    "between two deep reads; collective durations and bytes undercount them (raise "
+                    reasons.FR_ENTRIES_MISSED, f"{track.stem}: {missed} {recorder} Flight Recorder entries left the "
+                    "ring between two deep reads; collective durations and bytes undercount them (raise "
                     "TORCH_FR_BUFFER_SIZE or lower the deep interval)"))
             if dump.repaired_text:
-                self.log_once(track, SourceError(spool.TEXT_REPAIRED, (
+                self.log_once(track, SourceError(reasons.TEXT_REPAIRED, (
                     f"{track.stem}: {dump.repaired_text} strings of its {recorder} Flight Recorder answer were not "
                     "valid UTF-8; shown with U+FFFD in place of what could not be decoded")))
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from frexporter import spool
-from frexporter.model import FRAMES_PYSPY, FRAMES_RECORDER, PGState, RankState
+from frexporter.model import FRAMES_PYSPY, FRAMES_RECORDER, STATE_EXITING, PGState, RankState
 from frexporter.sources import activity
 from frexporter.sources.base import Reading
 from frexporter.sources.ranks import liveness, pg_state
@@ -79,7 +79,7 @@ class RanksSource:
 
     def _rank_state(self, track: RankTrack, now: float, mono: float) -> RankState | None:
         m, snap = track.manifest, track.snapshot
-        status = liveness.judge(exiting=snap is not None and snap.state == "exiting",
+        status = liveness.judge(exiting=snap is not None and snap.state == STATE_EXITING,
                                 stale=self._sockets.stale(track, mono), socket_alive=track.socket_alive,
                                 has_snapshot=snap is not None, since_start=now - m.start_time,
                                 rank_timeout=self.config.rank_timeout)

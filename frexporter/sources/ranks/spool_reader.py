@@ -16,7 +16,7 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from frexporter import spool
+from frexporter import reasons, spool
 from frexporter.sources.base import SourceError
 from frexporter.sources.ranks.permissions import PermissionPolicy
 from frexporter.sources.ranks.problems import Problems
@@ -48,11 +48,11 @@ class SpoolReader:
         try:
             dfd = os.open(directory, _DIR_FLAGS)
         except FileNotFoundError as e:
-            raise SourceError("dir_missing", f"spool directory {directory} does not exist") from e
+            raise SourceError(reasons.DIR_MISSING, f"spool directory {directory} does not exist") from e
         except PermissionError as e:
-            raise SourceError("permission", f"spool directory {directory}: permission denied") from e
+            raise SourceError(reasons.PERMISSION, f"spool directory {directory}: permission denied") from e
         except OSError as e:
-            raise SourceError("io", f"spool directory {directory}: {e.strerror or e}") from e
+            raise SourceError(reasons.IO, f"spool directory {directory}: {e.strerror or e}") from e
         try:
             yield dfd
         finally:
@@ -65,13 +65,13 @@ class SpoolReader:
         try:
             st = os.fstat(dfd)
         except OSError as e:
-            raise SourceError("io", f"spool directory {self.directory}: {e.strerror or e}") from e
+            raise SourceError(reasons.IO, f"spool directory {self.directory}: {e.strerror or e}") from e
         self.permissions.start(st)
         try:
             with os.scandir(dfd) as it:
                 entries = {e.name: e for e in it}
         except OSError as e:
-            raise SourceError("io", f"spool directory {self.directory}: {e.strerror or e}") from e
+            raise SourceError(reasons.IO, f"spool directory {self.directory}: {e.strerror or e}") from e
         for name in [name for name in self.bad_files if name not in entries]:
             del self.bad_files[name]
         self._load_manifests(dfd, entries, ranks)
@@ -98,8 +98,8 @@ class SpoolReader:
         own = spool.socket_name(stem)
         if not manifest.socket or manifest.socket == own:
             return manifest
-        self._problems.add("socket_mismatch", f"{path}: names the socket {manifest.socket[:64]!r}, not its own "
-                                              f"{own}; its socket is not used")
+        self._problems.add(reasons.SOCKET_MISMATCH, f"{path}: names the socket {manifest.socket[:64]!r}, not its "
+                                                   f"own {own}; its socket is not used")
         return replace(manifest, socket="")
 
     def _load_manifests(self, dfd: int, entries: dict[str, os.DirEntry], ranks: dict[str, RankTrack]) -> None:
@@ -112,7 +112,8 @@ class SpoolReader:
             if not name.endswith(spool.MANIFEST_SUFFIX):
                 # Not a spool file's name: counted once per name, without a syscall (there may be any number).
                 if name not in self.bad_files:
-                    self._report(name, None, SpoolError("foreign", f"{path}: not a frexporter spool file; ignored"))
+                    self._report(name, None, SpoolError(reasons.FOREIGN,
+                                                        f"{path}: not a frexporter spool file; ignored"))
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
@@ -122,21 +123,21 @@ class SpoolReader:
             stem = name[: -len(spool.MANIFEST_SUFFIX)]
             seen_stems.add(stem)
             if stat.S_ISLNK(st.st_mode):
-                self._report(name, sig, SpoolError("foreign", f"{path}: a symbolic link; refused"))
+                self._report(name, sig, SpoolError(reasons.FOREIGN, f"{path}: a symbolic link; refused"))
                 continue
             if not stat.S_ISREG(st.st_mode):
-                self._report(name, sig, SpoolError("foreign", f"{path}: not a regular file; ignored"))
+                self._report(name, sig, SpoolError(reasons.FOREIGN, f"{path}: not a regular file; ignored"))
                 continue
             self.permissions.note(path, st)
             track = ranks.get(stem)
             if track is not None and track.manifest_sig == sig:
                 continue
             known = self.bad_files.get(name)
-            if known is not None and known[0] == sig and known[1] != "too_many_ranks":
+            if known is not None and known[0] == sig and known[1] != reasons.TOO_MANY_RANKS:
                 continue
             if track is None and len(ranks) >= spool.MAX_RANKS_PER_NODE:
                 limit = spool.MAX_RANKS_PER_NODE
-                self._report(name, sig, SpoolError("too_many_ranks",
+                self._report(name, sig, SpoolError(reasons.TOO_MANY_RANKS,
                                                    f"{path}: ignored, this exporter already tracks {limit} ranks"))
                 continue
             try:
@@ -185,7 +186,7 @@ class SpoolReader:
         try:
             if mapped:
                 if entry.is_symlink():  # from the directory entry's type: no syscall
-                    raise SpoolError("foreign", f"{path}: a symbolic link; refused")
+                    raise SpoolError(reasons.FOREIGN, f"{path}: a symbolic link; refused")
                 key, obj, st = spool.read_snapshot_map_at(name, track.snapshot_map_key, dir_fd=dfd, what=path)
                 sig = FileSig.of(st)
                 self.permissions.note(path, st)
@@ -196,7 +197,7 @@ class SpoolReader:
                 st = entry.stat(follow_symlinks=False)
                 sig = FileSig.of(st)
                 if stat.S_ISLNK(st.st_mode):
-                    raise SpoolError("foreign", f"{path}: a symbolic link; refused")
+                    raise SpoolError(reasons.FOREIGN, f"{path}: a symbolic link; refused")
                 self.permissions.note(path, st)
                 known = self.bad_files.get(name)
                 if sig == track.snapshot_sig or (known is not None and known[0] == sig):
@@ -234,8 +235,8 @@ class SpoolReader:
             # Not a socket's name (a manifest may name any file in the spool): a fault of this manifest version.
             manifest = track.stem + spool.MANIFEST_SUFFIX
             self._report(manifest, track.manifest_sig, SourceError(
-                "socket_untrusted", f"{self._path(manifest)}: its socket {name[:64]!r} is not named "
-                                    f"*{spool.SOCKET_SUFFIX}; not connecting"))
+                reasons.SOCKET_UNTRUSTED, f"{self._path(manifest)}: its socket {name[:64]!r} is not named "
+                                          f"*{spool.SOCKET_SUFFIX}; not connecting"))
             track.socket_alive = False
             return False
         if entry is None:
@@ -247,7 +248,8 @@ class SpoolReader:
         path = self._path(name)
         problem = spool.socket_problem(st, self._trust)
         if problem is not None:
-            self._report(name, FileSig.of(st), SourceError("socket_untrusted", f"{path}: {problem}; not connecting"))
+            self._report(name, FileSig.of(st), SourceError(reasons.SOCKET_UNTRUSTED,
+                                                           f"{path}: {problem}; not connecting"))
             track.socket_alive = False
             return False
         self.bad_files.pop(name, None)
