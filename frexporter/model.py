@@ -203,11 +203,15 @@ class InflightCollective:
     output_dtypes: tuple[str, ...] = ()
 
 
+# A PG's member ranks: packed (Members, as the spool reads them) or a plain tuple (dumps, Prometheus, tests).
+RankList = tuple[int, ...] | Members
+
+
 @dataclass(frozen=True)
 class PGState:
     name: str
     desc: str
-    ranks: tuple[int, ...]
+    ranks: RankList
     backend: str
     last_enqueued: int
     last_started: int

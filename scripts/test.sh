@@ -9,6 +9,7 @@ if [ "${CI:-}" = "true" ]; then
   export FREXPORTER_REQUIRE_TOOLS=1
 fi
 .venv/bin/ruff check .  # every Python file in the repository (.gitignore'd ones aside)
+.venv/bin/mypy  # the package, as pyproject.toml's [tool.mypy] says
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 if [ $# -eq 0 ]; then
   ./scripts/setup.sh --lowest

@@ -37,6 +37,7 @@ from frexporter.model import (
     InflightCollective,
     Members,
     PGState,
+    RankList,
     RankState,
 )
 
@@ -128,11 +129,11 @@ class _MemberSets:
 
     def __init__(self) -> None:
         self._by_object: dict[int, int] = {}
-        self._by_value: dict[tuple[int, ...], int] = {}
-        self._by_canonical: dict[tuple[int, ...], int] = {}
-        self.canonical: list[tuple[int, ...] | Members] = []
+        self._by_value: dict[RankList, int] = {}
+        self._by_canonical: dict[RankList, int] = {}
+        self.canonical: list[RankList] = []
 
-    def id_of(self, ranks: tuple[int, ...] | Members) -> int:
+    def id_of(self, ranks: RankList) -> int:
         found = self._by_object.get(id(ranks))
         if found is None:
             found = self._by_value.get(ranks)
@@ -144,7 +145,7 @@ class _MemberSets:
             self._by_object[id(ranks)] = found
         return found
 
-    def _canonical_id(self, canonical: tuple[int, ...] | Members) -> int:
+    def _canonical_id(self, canonical: RankList) -> int:
         if canonical not in self._by_canonical:
             self._by_canonical[canonical] = len(self.canonical)
             self.canonical.append(canonical)

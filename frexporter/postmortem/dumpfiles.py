@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields, replace
 from frexporter.analysis import history
 from frexporter.fr import trace
 from frexporter.fr.domain import translate
-from frexporter.model import RANK_OK, InflightCollective, PGState, RankState
+from frexporter.model import RANK_OK, InflightCollective, PGState, RankList, RankState
 from frexporter.spool import MAX_PGS, MAX_RANK, SpoolError
 
 # Torch's entries (2.13, gloo, measured): a JSON one is about 470 bytes, a pickled one 125-185 (torch's pickler
@@ -155,7 +155,7 @@ def _check_memo_indexes(data: bytes) -> None:
     if b"p" not in data and b"r" not in data:
         return  # no PUT or LONG_BINPUT: BINPUT's one-byte index and MEMOIZE cannot grow the memo past 512
     for count, (opcode, arg, _pos) in enumerate(pickletools.genops(data)):
-        if opcode.name in _MEMO_PUTS and arg > count:
+        if opcode.name in _MEMO_PUTS and isinstance(arg, int) and arg > count:
             raise _Refused(f"memo index {arg} out of range at opcode {count}")
 
 
@@ -550,7 +550,7 @@ def _settle_completion_lag(states: tuple[RankState, ...]) -> tuple[RankState, ..
     the real hang behind it (with two lagging ranks of three, "every other rank" would not be enough).
     A rank that truly lags (NCCL: peers saw the kernel finish, it did not) is reported by ``history``.
     """
-    done: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    done: dict[tuple[str, RankList], list[int]] = {}
     for state in states:
         for pg in state.pgs:
             done.setdefault((pg.name, pg.ranks), []).append(pg.last_completed)

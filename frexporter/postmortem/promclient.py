@@ -70,7 +70,8 @@ class _DeadlineSocket:
 
     def makefile(self, mode: str = "rb", *_args: Any, **_kwargs: Any) -> io.BufferedReader:
         self._io_refs += 1
-        return io.BufferedReader(socket.SocketIO(self, "rb"))
+        # SocketIO only calls recv_into and _decref_socketios, which this wrapper has.
+        return io.BufferedReader(socket.SocketIO(self, "rb"))  # type: ignore[arg-type]
 
     def _decref_socketios(self) -> None:
         self._io_refs -= 1
@@ -87,6 +88,8 @@ class _DeadlineConnection:
     """Mixed into http.client's connections: connect within what is left, then hand out a _DeadlineSocket. The
     TLS handshake (in HTTPSConnection.connect) is bounded in all by the socket timeout set at connect."""
 
+    sock: Any  # http.client's connection attribute, set by its connect()
+
     def __init__(self, *args: Any, deadline: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline = deadline
@@ -100,7 +103,7 @@ class _DeadlineConnection:
         return sock
 
     def connect(self) -> None:
-        super().connect()
+        super().connect()  # type: ignore[misc]  # the http.client connection this is mixed into
         self.sock = _DeadlineSocket(self.sock, self._deadline)
 
 
@@ -128,7 +131,7 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(partial(_HTTPSConnection, deadline=self._deadline), req,
-                            context=self._context)
+                            context=self._context)  # type: ignore[attr-defined]  # urllib's own
 
 
 def _opener(deadline: float) -> urllib.request.OpenerDirector:

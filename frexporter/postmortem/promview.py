@@ -156,9 +156,9 @@ def _chosen(up: ByRank, heartbeat: ByRank, info: ByRank, pg_samples: list[tuple[
         for key, by_source in table.items():
             sources[key].update(by_source)
     for _, s in pg_samples:
-        key = ps.rank_key(s["metric"])
-        if key is not None:
-            sources[key].add(ps.source(s["metric"]))
+        reporting = ps.rank_key(s["metric"])
+        if reporting is not None:
+            sources[reporting].add(ps.source(s["metric"]))
 
     def freshness(key: RankKey, source: Source) -> tuple[float, Source]:
         beat = ps.value(heartbeat[key][source]) if source in heartbeat.get(key, {}) else None

@@ -103,7 +103,7 @@ class Publisher:
             rank = self._launcher.get("rank")
             dist = sys.modules.get("torch.distributed")
             initialized = getattr(dist, "is_initialized", None)
-            if rank is None or (initialized is not None and dist.is_available() and initialized()):
+            if rank is None or (dist is not None and initialized is not None and dist.is_available() and initialized()):
                 return  # nothing to name the rank by, or install() came late: the first tick identifies it
             job_id = self.job_id_hint or default_job_id()
             stem = spool.rank_stem(job_id, rank)
@@ -213,7 +213,7 @@ class Publisher:
             dist = sys.modules.get("torch.distributed")
             # getattr: the module may be mid-import on the main thread.
             initialized = getattr(dist, "is_initialized", None)
-            if initialized is None or not dist.is_available() or not initialized():
+            if dist is None or initialized is None or not dist.is_available() or not initialized():
                 if self._starting and time.monotonic() - self._last_starting >= self._interval:
                     self._last_starting = time.monotonic()
                     with self._write_lock:  # the heartbeat of a rank still in (or before) init_process_group

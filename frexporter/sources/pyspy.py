@@ -54,7 +54,7 @@ def fetch(path: str, timeout: float = FETCH_TIMEOUT, trust: spool.Trust | None =
     return parse_dump(body, path)
 
 
-def parse_dump(data: bytes, what: str) -> tuple[Frame, ...]:
+def parse_dump(data: bytes | bytearray, what: str) -> tuple[Frame, ...]:
     """The main thread's frames in py-spy's ``dump`` text, innermost first, at most spool.MAX_STACK_FRAMES.
 
     The main thread is the one whose id is the process's pid (py-spy names threads by their native id, and

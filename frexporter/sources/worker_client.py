@@ -203,7 +203,7 @@ def _parse_response(data: bytes | bytearray, path: str, handler: str) -> bytes |
     return body
 
 
-def _dechunk(body: bytes, path: str) -> bytes:
+def _dechunk(body: bytes | bytearray, path: str) -> bytes:
     out = bytearray()
     pos = 0
     while True:

@@ -225,11 +225,11 @@ class _Fields:
             raise SpoolError(reasons.INVALID, f"{self.what}: field {key!r} has the wrong type")
         return value
 
-    def str(self, key: str, default: Any = None, limit: int = MAX_TEXT_CHARS) -> str:
+    def text_field(self, key: str, default: Any = None, limit: int = MAX_TEXT_CHARS) -> str:
         return self.text(self._get(key, (str,), _REQUIRED if default is None else default), limit,
                          f"{self.what}: field {key!r}")
 
-    def int(self, key: str, default: Any = None) -> int:
+    def int_field(self, key: str, default: Any = None) -> int:
         value = self._get(key, (int,), _REQUIRED if default is None else default)
         if not INT_MIN <= value <= INT_MAX:
             raise SpoolError(reasons.INVALID, f"{self.what}: field {key!r} is out of range")
@@ -241,14 +241,14 @@ class _Fields:
             raise SpoolError(reasons.INVALID, f"{self.what}: field {key!r} is not a finite number")
         return value
 
-    def list(self, key: str, default: Any = None, limit: int | None = None) -> list[Any]:
+    def list_field(self, key: str, default: Any = None, limit: int | None = None) -> list[Any]:
         value = self._get(key, (list,), _REQUIRED if default is None else default)
         if limit is not None and len(value) > limit:
             raise SpoolError(reasons.LIMIT_ITEMS, f"{self.what}: field {key!r} has {len(value)} items, over the "
                                                   f"bound of {limit}")
         return value
 
-    def dict(self, key: str, default: Any = None, limit: int | None = None) -> dict[str, Any]:
+    def dict_field(self, key: str, default: Any = None, limit: int | None = None) -> dict[str, Any]:
         value = self._get(key, (dict,), _REQUIRED if default is None else default)
         if limit is not None and len(value) > limit:
             raise SpoolError(reasons.LIMIT_ITEMS, f"{self.what}: field {key!r} has {len(value)} entries, over the "
@@ -258,7 +258,7 @@ class _Fields:
     def names(self, key: str) -> tuple[str, ...]:
         """A list of short strings (handlers, recorders, backends)."""
         out = []
-        for i, name in enumerate(self.list(key, [], limit=MAX_NAMES)):
+        for i, name in enumerate(self.list_field(key, [], limit=MAX_NAMES)):
             if not isinstance(name, str):
                 raise SpoolError(reasons.INVALID, f"{self.what}: {key}[{i}] is not a string")
             out.append(self.text(name, MAX_TEXT_CHARS, f"{self.what}: {key}[{i}]"))
@@ -319,7 +319,7 @@ def _check_format(obj: Any, expected: str, what: str) -> None:
 def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
     _check_format(obj, MANIFEST_FORMAT, what)
     f = _Fields(obj, what)
-    raw_pgs = f.list("process_groups", [], limit=MAX_PGS)
+    raw_pgs = f.list_field("process_groups", [], limit=MAX_PGS)
     total = 0
     for i, raw in enumerate(raw_pgs):
         # Counted before any list is parsed: a file over the bound costs no more than reading it.
@@ -333,30 +333,30 @@ def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
         raise SpoolError(reasons.LIMIT_MEMBERS, f"{what}: its process groups list {total} members in all, over the "
                                                 f"bound of {MAX_MANIFEST_MEMBERS}")
     pgs = [_parse_pg(raw, f"{what}: process_groups[{i}]", f.problems) for i, raw in enumerate(raw_pgs)]
-    rank = f.int("rank")
+    rank = f.int_field("rank")
     if rank < 0:
         raise SpoolError(reasons.INVALID, f"{what}: rank must be >= 0")
-    state = f.str("state", STATE_RUNNING)
+    state = f.text_field("state", STATE_RUNNING)
     if state not in MANIFEST_STATES:
         raise SpoolError(reasons.INVALID, f"{what}: state {state[:32]!r} is not one of {', '.join(MANIFEST_STATES)}")
     launcher, launcher_problems = parse_launcher(obj.get("launcher"), what)
     return Manifest(
-        job_id=f.str("job_id"),
+        job_id=f.text_field("job_id"),
         rank=rank,
-        local_rank=f.int("local_rank", -1),
-        world_size=f.int("world_size", 0),
-        pid=f.int("pid"),
-        hostname=f.str("hostname", ""),
+        local_rank=f.int_field("local_rank", -1),
+        world_size=f.int_field("world_size", 0),
+        pid=f.int_field("pid"),
+        hostname=f.text_field("hostname", ""),
         start_time=f.num("start_time", 0.0),
-        torch_version=f.str("torch_version", ""),
+        torch_version=f.text_field("torch_version", ""),
         backends=f.names("backends"),
-        gpu_uuid=f.str("gpu_uuid", ""),
-        socket=os.path.basename(f.str("socket", "")),
+        gpu_uuid=f.text_field("gpu_uuid", ""),
+        socket=os.path.basename(f.text_field("socket", "")),
         handlers=f.names("handlers"),
         recorders=f.names("recorders"),
-        fr_buffer_size=f.int("fr_buffer_size", 0),
+        fr_buffer_size=f.int_field("fr_buffer_size", 0),
         process_groups=tuple(pgs),
-        generation=f.int("generation", 0),
+        generation=f.int_field("generation", 0),
         state=state,
         launcher=launcher,
         problems=launcher_problems + tuple(f.problems),  # last: the fields above add their repairs
@@ -365,7 +365,7 @@ def parse_manifest(obj: Any, what: str = "manifest") -> Manifest:
 
 def _parse_pg(raw: Any, what: str, problems: list[tuple[str, str]]) -> PGEntry:
     p = _Fields(raw, what, problems)
-    ranks = p.list("ranks")
+    ranks = p.list_field("ranks")
     # type() rather than isinstance(): bool is an int subclass, and rank true is no rank.
     if not set(map(type, ranks)) <= {int}:
         raise SpoolError(reasons.INVALID, f"{what}.ranks must be non-negative integers")
@@ -374,16 +374,16 @@ def _parse_pg(raw: Any, what: str, problems: list[tuple[str, str]]) -> PGEntry:
     except OverflowError as e:
         raise SpoolError(reasons.INVALID, f"{what}.ranks must be integers from 0 to {MAX_RANK}") from e
     local_ids = {}
-    for k, v in p.dict("local_ids", {}, limit=MAX_NAMES).items():
+    for k, v in p.dict_field("local_ids", {}, limit=MAX_NAMES).items():
         if isinstance(v, int) and not isinstance(v, bool):
             local_ids[p.text(k, MAX_TEXT_CHARS, f"{what}.local_ids key")] = v
     raw_timeout = p.obj.get("timeout_seconds")
     timeout = _finite(raw_timeout) if isinstance(raw_timeout, (int, float)) else None
     return PGEntry(
-        name=p.str("name"),
-        desc=p.str("desc", ""),
+        name=p.text_field("name"),
+        desc=p.text_field("desc", ""),
         ranks=members,
-        backend=p.str("backend", ""),
+        backend=p.text_field("backend", ""),
         local_ids=local_ids,
         timeout_seconds=timeout if timeout is not None and timeout > 0 else None,
     )
@@ -417,13 +417,13 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
     _check_format(obj, SNAPSHOT_MAP_FORMAT if mapped else SNAPSHOT_FORMAT, what)
     f = _Fields(obj, what)
     status = {}
-    for recorder, raw in f.dict("status", {}, limit=MAX_RECORDERS).items():
+    for recorder, raw in f.dict_field("status", {}, limit=MAX_RECORDERS).items():
         recorder = f.text(recorder, MAX_TEXT_CHARS, f"{what}: recorder name")
         if mapped:  # torch's whole answer; its pg_status is what we use
-            raw = _Fields(raw, f"{what}: status.{recorder}").dict("pg_status", {})
+            raw = _Fields(raw, f"{what}: status.{recorder}").dict_field("pg_status", {})
         status[recorder] = parse_pg_status(raw, f"{what}: status.{recorder}")
     errors = {}
-    for kind, count in f.dict("errors", {}, limit=MAX_ERROR_KINDS).items():
+    for kind, count in f.dict_field("errors", {}, limit=MAX_ERROR_KINDS).items():
         # A label value: cutting it could merge two kinds.
         kind = f.text(kind, MAX_ERROR_KIND_CHARS, f"{what}: error kind")
         if isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= INT_MAX:
@@ -438,14 +438,14 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
     stack, stack_problems = parse_stack(obj.get("stack"), what)
     problems.extend(stack_problems)
     return Snapshot(
-        pid=f.int("pid"),
+        pid=f.int_field("pid"),
         time=f.num("time"),
         interval=max(0.05, f.num("interval", 1.0)),
-        counter=f.int("counter", 0),
+        counter=f.int_field("counter", 0),
         status=status,
         errors=errors,
-        state=f.str("state", STATE_RUNNING),
-        message=f.str("message", "", limit=MAX_SNAPSHOT_BYTES)[:MAX_MESSAGE_CHARS],
+        state=f.text_field("state", STATE_RUNNING),
+        message=f.text_field("message", "", limit=MAX_SNAPSHOT_BYTES)[:MAX_MESSAGE_CHARS],
         cpu=cpu,
         stack=stack,
         problems=tuple(problems),

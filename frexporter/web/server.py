@@ -369,7 +369,8 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
         self.rfile.close()  # the plain file socketserver made: reads go through the deadline instead
         self._reader = _DeadlineReader(self.connection)
-        self.rfile = io.BufferedReader(self._reader)
+        self._buffered = io.BufferedReader(self._reader)
+        self.rfile = self._buffered
         self._requests = 0
 
     def handle_one_request(self) -> None:
@@ -377,7 +378,7 @@ class _Handler(BaseHTTPRequestHandler):
         # client waiting up to IDLE_TIMEOUT. Once it begins, its headers must be complete within HEADER_TIMEOUT.
         self._reader.deadline = time.monotonic() + (IDLE_TIMEOUT if self._requests else HEADER_TIMEOUT)
         try:
-            begun = self.rfile.peek(1)
+            begun = self._buffered.peek(1)
         except TimeoutError:
             log.debug("closing %s connection from %s: no request within the timeout",
                       "idle" if self._requests else "new", self.address_string())
@@ -389,12 +390,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._reader.deadline = time.monotonic() + HEADER_TIMEOUT
         super().handle_one_request()  # closes the connection itself when its reads time out
 
+    raw_requestline: bytes  # set by BaseHTTPRequestHandler.handle_one_request before it calls parse_request
+
     def parse_request(self) -> bool:
         if len(self.raw_requestline.split()) == 2:
             # HTTP/0.9 (no version): BaseHTTPRequestHandler would wait for headers such a client never sends.
             self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
             self.request_version = "HTTP/1.0"  # an answer with a status line, which any client can read
-            self.command = None
+            self.command = None  # type: ignore[assignment]  # what BaseHTTPRequestHandler sets for no command
             self.close_connection = True
             self.send_error(HTTPStatus.BAD_REQUEST, "HTTP/0.9 requests are not served")
             return False

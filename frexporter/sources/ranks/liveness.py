@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from frexporter.model import RANK_DOWN, RANK_EXITED, RANK_OK, RANK_UNRESPONSIVE, Activity, PGState, RankState
+from frexporter.model import (
+    RANK_DOWN,
+    RANK_EXITED,
+    RANK_OK,
+    RANK_UNRESPONSIVE,
+    UNKNOWN_ACTIVITY,
+    Activity,
+    PGState,
+    RankState,
+)
 from frexporter.spool import DEFAULT_SNAPSHOT_INTERVAL, Manifest, Snapshot
 
 
@@ -95,5 +104,5 @@ def rank_state(m: Manifest, snap: Snapshot | None, status: str, socket_alive: bo
         state=m.state,
         start_time=m.start_time,
         node_ranks=m.launcher.node_ranks() if m.launcher is not None else (),
-        activity=activity,
+        activity=activity if activity is not None else UNKNOWN_ACTIVITY,
     )
