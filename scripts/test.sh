@@ -13,5 +13,10 @@ fi
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 if [ $# -eq 0 ]; then
   ./scripts/setup.sh --lowest
+  # The unit tests (pyproject.toml's e2e marker says which), and, whole, the modules that exercise the optional
+  # dependencies (prometheus-client's exposition, OpenTelemetry, bcrypt and PyYAML, ssl), whose tests start
+  # processes (openssl for certificates, the OTLP receiver, `frexporter serve`).
   .venv-lowest/bin/python -m pytest -q -p no:cacheprovider -m "not e2e"
+  .venv-lowest/bin/python -m pytest -q -p no:cacheprovider -m e2e tests/test_otlp.py tests/test_security.py \
+    tests/test_web_hostile.py tests/test_http_hardening.py tests/test_golden_metrics.py
 fi

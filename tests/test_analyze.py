@@ -14,6 +14,8 @@ import pytest
 from frexporter.postmortem import dumpfiles
 from tests.harness import REPO, free_port
 
+pytestmark = pytest.mark.e2e
+
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 DUMPER = Path(__file__).parent / "workers" / "dumper.py"
 
@@ -35,7 +37,6 @@ def real_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.e2e
 def test_analyze_names_the_rank_missing_from_real_gloo_dumps(real_dumps: Path) -> None:
     assert sorted(p.name for p in real_dumps.iterdir()) == ["rank_trace_0", "rank_trace_1", "rank_trace_2"]
     assert (real_dumps / "rank_trace_0").read_bytes()[:1] == b"\x80"  # a real pickle, as torch writes on timeout
@@ -52,7 +53,6 @@ def test_analyze_names_the_rank_missing_from_real_gloo_dumps(real_dumps: Path) -
     assert text.returncode == 0 and "culprit rank(s) 2" in text.stdout
 
 
-@pytest.mark.e2e
 def test_analyze_shows_a_wait_below_the_threshold_rather_than_nothing(real_dumps: Path) -> None:
     out = analyze(str(real_dumps), "--stuck-after", "100000")
     assert out.returncode == 0, out.stderr
@@ -61,7 +61,6 @@ def test_analyze_shows_a_wait_below_the_threshold_rather_than_nothing(real_dumps
     assert "s (threshold 100000s)" in out.stdout, out.stdout
 
 
-@pytest.mark.e2e
 def test_gloo_dump_with_broken_pg_config_still_maps_groups(real_dumps: Path) -> None:
     dumps, problems = dumpfiles.load_dir(str(real_dumps))
     assert problems == []

@@ -87,6 +87,7 @@ def test_a_verdict_json_of_any_shape_is_one_problem_line_and_the_dumps_are_judge
     assert f"  skipped: {problem[0]}" in text.splitlines()
 
 
+@pytest.mark.e2e
 def test_a_deep_verdict_json_costs_no_traceback_in_the_cli(tmp_path: Path) -> None:
     directory = _dump_dir(tmp_path / "bundle")
     (directory / report.EVIDENCE_FILE).write_bytes(DEEP)
@@ -129,6 +130,7 @@ def _assert_clean(output: bytes) -> str:
     return text
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("locale", sorted(LOCALES))
 def test_text_output_escapes_what_dumps_file_names_and_verdicts_hold(tmp_path: Path, locale: str) -> None:
     directory = _hostile_dir(tmp_path)
@@ -144,6 +146,7 @@ def test_text_output_escapes_what_dumps_file_names_and_verdicts_hold(tmp_path: P
     assert any("undecodable\\udcff_6: " in line for line in lines), text
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("locale", sorted(LOCALES))
 def test_problems_on_stderr_are_escaped_when_no_dump_is_usable(tmp_path: Path, locale: str) -> None:
     directory = tmp_path / "only-bad"
@@ -156,6 +159,7 @@ def test_problems_on_stderr_are_escaped_when_no_dump_is_usable(tmp_path: Path, l
     assert "bad\\x0a\\x1b]0;title\\x07_5: " in text and "undecodable\\udcff_6: " in text
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("locale", sorted(LOCALES))
 def test_json_output_is_valid_json_with_surrogates_repaired(tmp_path: Path, locale: str) -> None:
     directory = _hostile_dir(tmp_path)
@@ -207,6 +211,7 @@ def _measured(directory: Path, tmp_path: Path) -> tuple[int, str, float, float]:
 MIB = 1024 * 1024
 
 
+@pytest.mark.e2e
 def test_a_64_mb_json_dump_of_empty_objects_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
     # json.loads would build 22 million dicts: 1.7 GB peak before the fix.
     n = 64 * MIB // 3
@@ -217,6 +222,7 @@ def test_a_64_mb_json_dump_of_empty_objects_is_refused_before_it_is_parsed(tmp_p
     assert rc == 1 and "objects and lists (counted before parsing), over the bound" in output, output
 
 
+@pytest.mark.e2e
 def test_a_64_mb_pickle_of_none_opcodes_is_refused_quickly(tmp_path: Path) -> None:
     # Before the fix: 18 s of CPU in the memo-index pass, then 600 MB of stacked references.
     (tmp_path / "dumps").mkdir()

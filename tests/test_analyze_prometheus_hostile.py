@@ -184,6 +184,7 @@ DRIPS = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", sorted(DRIPS))
 def test_a_server_that_drips_fails_the_query_at_its_deadline(where: str) -> None:
     with serving(dripping(*DRIPS[where])) as url:
@@ -193,6 +194,7 @@ def test_a_server_that_drips_fails_the_query_at_its_deadline(where: str) -> None
     assert elapsed >= DEADLINE_S * 0.9  # the deadline, not an early give-up, ended it
 
 
+@pytest.mark.e2e
 def test_analyze_gives_up_when_all_its_queries_take_longer_than_its_deadline() -> None:
     # Each answer is complete and valid, and comes 0.4 s late: 17 queries would take 7 s.
     with serving(answer(vector([]), pause=0.4)) as url, \
@@ -220,6 +222,7 @@ def test_a_broken_status_line_or_url_is_a_prometheus_error() -> None:
             prometheus.query(bad, "up")
 
 
+@pytest.mark.e2e
 def test_cli_says_what_is_wrong_with_the_url_instead_of_a_traceback() -> None:
     # Without a scheme, urllib raised ValueError: the command ended in a traceback.
     out = subprocess.run([sys.executable, "-m", "frexporter", "analyze", "--prometheus", "prometheus.example"],
@@ -264,6 +267,7 @@ def analyze_in_child(url: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.e2e
 def test_a_flood_of_empty_objects_is_refused_while_reading_with_little_memory() -> None:
     # 60 MB of {}: 20 million dicts once parsed (1.6 GB, a minute), under the byte cap.
     flood = b'{"status":"success","data":{"resultType":"vector","result":[' + b"{}," * 20_000_000 + b"{}]}}"
@@ -275,6 +279,7 @@ def test_a_flood_of_empty_objects_is_refused_while_reading_with_little_memory() 
     assert result["elapsed"] < 10
 
 
+@pytest.mark.e2e
 def test_the_largest_container_flood_the_bound_admits_parses_within_bounded_memory() -> None:
     # Just under the container bound: parsed (every {} is a dict), then refused by its count of results.
     count = 3 * prometheus.MAX_SERIES
@@ -288,6 +293,7 @@ def test_the_largest_container_flood_the_bound_admits_parses_within_bounded_memo
 WORLD = 1 << 17  # the largest world the analysis expands
 
 
+@pytest.mark.e2e
 def test_thousands_of_world_sized_pgs_are_not_expanded_past_the_bound_in_all() -> None:
     # One rank claims 3,000 PGs as large as its 131,072-rank world: 390 million members (~14 GB of ints).
     pgs = tuple(str(i) for i in range(3000))
@@ -303,6 +309,7 @@ def test_thousands_of_world_sized_pgs_are_not_expanded_past_the_bound_in_all() -
     assert result["growth"] < MEMBERS_GROWTH_LIMIT
 
 
+@pytest.mark.e2e
 def test_thousands_of_world_sized_jobs_are_not_expanded_past_the_bound_in_all() -> None:
     # 3,000 jobs of one rank each claim a 131,072-rank world: the absent ranks of all would be 390 million.
     jobs = [f"job{i:04d}" for i in range(3000)]
@@ -317,6 +324,7 @@ def test_thousands_of_world_sized_jobs_are_not_expanded_past_the_bound_in_all() 
     assert result["growth"] < MEMBERS_GROWTH_LIMIT
 
 
+@pytest.mark.e2e
 def test_a_genuine_100000_rank_world_is_still_expanded() -> None:
     # Ranks 0 and 1 report and wait in collective 8 of WORLD; the other 99,998 report nothing.
     found = analyze_fake([*rank_series("j", 0, 100_000), *rank_series("j", 1, 100_000)])

@@ -146,6 +146,7 @@ class SilentSocket:
         self.sock.close()
 
 
+@pytest.mark.e2e
 def test_socket_that_never_answers_does_not_hold_the_poll(tmp_path: Path) -> None:
     spoolgen.write_rank(tmp_path, "job", 0)
     stale = spoolgen.write_rank(tmp_path, "job", 1, socket=spoolgen.own_socket("job", 1))
@@ -201,6 +202,7 @@ print(json.dumps({"ranks": sorted(r.rank for r in snap.ranks),
 """
 
 
+@pytest.mark.e2e
 def test_permission_denied_file_and_directory() -> None:
     require(os.geteuid() == 0, "needs root to switch to an unprivileged user")
     # pytest's tmp_path lives under a 0700 directory; the unprivileged reader needs a path it can reach.

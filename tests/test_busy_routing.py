@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.harness import missing, require_tool, wait_for
@@ -41,6 +42,7 @@ def _route(config: Path, *labels: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.e2e
 def test_docs_routing_passes_amtool_and_holds_only_busy_culprits(tmp_path: Path) -> None:
     config = tmp_path / "alertmanager.yml"
     config.write_text(_doc_block())
@@ -67,6 +69,7 @@ def _post_alert(am_url: str, labels: dict[str, str]) -> None:
         assert resp.status == 200
 
 
+@pytest.mark.e2e
 def test_hold_busy_stack_delivers_busy_culprits_to_hold_and_pages_the_rest(tmp_path: Path) -> None:
     try:
         binaries()

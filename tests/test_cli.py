@@ -17,6 +17,8 @@ from frexporter import naming as n
 from tests import spoolgen
 from tests.harness import REPO, WORKER, Job, free_port, metrics, sample, wait_for
 
+pytestmark = pytest.mark.e2e
+
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
@@ -94,7 +96,6 @@ def test_help_and_version() -> None:
     assert out.returncode == 0 and out.stdout.startswith("frexporter ")
 
 
-@pytest.mark.e2e
 def test_run_installs_the_recorder_without_code_change(tmp_path: Path) -> None:
     spool_dir, control = tmp_path / "spool", tmp_path / "control"
     control.mkdir()
@@ -175,7 +176,6 @@ def test_run_without_command_is_a_usage_error() -> None:
     assert out.returncode == 2 and "no command" in out.stderr
 
 
-@pytest.mark.e2e
 def test_deep_interval_spaces_the_routine_reads_of_a_busy_rank(tmp_path: Path) -> None:
     """A real rank making steady progress, watched by two exporters: with --deep-interval 0 its FR ring is read
     again on every poll that saw it move; with --deep-interval 1000 the routine reads stop after the first."""

@@ -106,6 +106,7 @@ def test_check_reports_drift_missing_and_stale_files(tmp_path: Path, capsys: pyt
     assert generate.main(["--check", "--out", str(tmp_path)]) == 0
 
 
+@pytest.mark.e2e
 def test_script_runs_from_a_checkout_without_installing_frexporter() -> None:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     result = subprocess.run(
@@ -286,6 +287,7 @@ def _all_exprs() -> list[tuple[str, str]]:
     return exprs
 
 
+@pytest.mark.e2e
 def test_every_query_parses_with_promtool(promtool: str, tmp_path: Path) -> None:
     exprs = _all_exprs()
     result = _promtool_parse(promtool, tmp_path, exprs)
@@ -293,6 +295,7 @@ def test_every_query_parses_with_promtool(promtool: str, tmp_path: Path) -> None
     assert f"SUCCESS: {len(exprs)} rules found" in result.stdout
 
 
+@pytest.mark.e2e
 def test_promtool_harness_catches_a_bad_query(promtool: str, tmp_path: Path) -> None:
     result = _promtool_parse(promtool, tmp_path, [("good", "sum(up)"), ("frexporter-job / Broken / A", "sum(up")])
     assert result.returncode != 0

@@ -39,6 +39,7 @@ def _reads_in(node: Node) -> list[int]:
     return counts
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("share", [defaults.DEEP_READ_SHARE, 0.0])
 def test_slow_reads_of_a_moving_rank_are_spaced_by_their_cost(tmp_path: Path, share: float) -> None:
     node = Node(tmp_path / "node", 1, deep_interval=1.0, deep_read_share=share)

@@ -157,6 +157,7 @@ def bundles_under(root: Path) -> list[Path]:
 # ---------------------------------------------------------------- the directory itself
 
 
+@pytest.mark.e2e
 def test_symlinked_evidence_dir_gets_nothing_created_or_deleted(tmp_path: Path) -> None:
     """The reported attack: <spool>/evidence a symlink to a directory of 40 old subdirectories, one killed rank."""
     outside = tmp_path / "outside"
@@ -173,6 +174,7 @@ def test_symlinked_evidence_dir_gets_nothing_created_or_deleted(tmp_path: Path) 
     assert (spool_dir / spool.EVIDENCE_DIRNAME).is_symlink()
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory another user owns")
 @pytest.mark.parametrize("planted", ["evidence", "private"])
 def test_directory_planted_by_another_user_is_refused(tmp_path: Path, planted: str) -> None:
@@ -199,6 +201,7 @@ def test_directory_planted_by_another_user_is_refused(tmp_path: Path, planted: s
     assert tree(ev) == before
 
 
+@pytest.mark.e2e
 def test_a_directory_others_may_write_gets_a_private_one_inside(tmp_path: Path) -> None:
     """<spool>/evidence of ours but 2770 (as an older exporter made it in group mode): its mode stays, bundles go
     to a 0700 directory of ours inside it."""
@@ -220,6 +223,7 @@ def test_a_directory_others_may_write_gets_a_private_one_inside(tmp_path: Path) 
 # ---------------------------------------------------------------- planted files
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", [0o700, 0o2770])
 def test_planted_verdict_symlink_in_a_guessable_bundle_is_not_followed(tmp_path: Path, mode: int) -> None:
     """The attacker fills the evidence directory with the bundle names the next minute would have used, each with
@@ -274,6 +278,7 @@ def test_a_guessed_bundle_name_is_not_reused(tmp_path: Path, monkeypatch: pytest
 # ---------------------------------------------------------------- pruning
 
 
+@pytest.mark.e2e
 def test_pruning_removes_only_bundles_it_wrote(tmp_path: Path) -> None:
     """The evidence directory holds 20 genuine bundles (the cap), the 40 old subdirectories of the report, and
     forgeries: a marker with the right name and a wrong HMAC, a genuine marker copied under another name, an old
@@ -319,6 +324,7 @@ def test_pruning_removes_only_bundles_it_wrote(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- floods
 
 
+@pytest.mark.e2e
 def test_a_flood_of_stale_fake_ranks_is_bounded(tmp_path: Path) -> None:
     """5,000 fake ranks that all go down at once: the ranks source tracks MAX_RANKS_PER_NODE of them (the rest
     are refused and counted there), so that many verdicts; at most MAX_CAPTURES_PER_INTERVAL captures (each
@@ -407,6 +413,7 @@ class SilentRank:
             sock.close()
 
 
+@pytest.mark.e2e
 def test_captures_of_silent_ranks_are_queued_at_most_eight_and_do_not_hold_shutdown(tmp_path: Path) -> None:
     """40 wedged fake ranks whose sockets accept and never answer a read: each capture would take the socket
     timeout, so 40 queued captures would hold the exporter for minutes. At most MAX_PENDING_CAPTURES are queued
@@ -472,6 +479,7 @@ def test_log_lines_are_one_per_reason_per_interval_with_the_rest_counted(caplog:
 # ---------------------------------------------------------------- listing
 
 
+@pytest.mark.e2e
 def test_listing_follows_no_symlink(tmp_path: Path) -> None:
     """/api/v1/evidence: a symlinked evidence directory lists nothing; a symlinked bundle is not listed; a
     verdict.json that is a symlink (to a valid verdict elsewhere) is an error, not read."""
@@ -502,6 +510,7 @@ def test_listing_follows_no_symlink(tmp_path: Path) -> None:
             assert json.loads(resp.read()) == {"enabled": True, "bundles": []}
 
 
+@pytest.mark.e2e
 def test_one_capture_reads_sockets_for_at_most_its_deadline(tmp_path: Path) -> None:
     """A PG of 8 wedged ranks whose sockets never answer: the capture stops at its deadline, counts the reads it
     skipped, and still writes the bundle."""

@@ -38,6 +38,7 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> Comparison:
     return fr_compare.run_all(tmp_path_factory.mktemp("fr_cases"))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_analyze_is_right(comparison: Comparison, case: Case) -> None:
     outcome = next(o for o in comparison.outcomes if o.case.id == case.id)
@@ -45,6 +46,7 @@ def test_analyze_is_right(comparison: Comparison, case: Case) -> None:
     assert outcome.analyze_right, f"truth: {truth}\nanalyze: {outcome.analyze.text()}"
 
 
+@pytest.mark.e2e
 def test_every_case_got_an_answer_from_fr_trace(comparison: Comparison) -> None:
     # Not what it answered (it is wrong in places, see the table), only that the differential ran at all.
     assert [o.case.id for o in comparison.outcomes] == [c.id for c in CASES]
@@ -53,11 +55,13 @@ def test_every_case_got_an_answer_from_fr_trace(comparison: Comparison) -> None:
     assert len(answered) > len(CASES) // 2, "fr_trace aborted on most cases: the runner is broken, not fr_trace"
 
 
+@pytest.mark.e2e
 def test_the_comparison_table_is_current(comparison: Comparison) -> None:
     problems = fr_compare.check(fr_compare.render(comparison))
     assert not problems, "\n".join(problems) + "\nrun: python scripts/fr_compare.py"
 
 
+@pytest.mark.e2e
 def test_the_check_reports_drift_and_a_missing_table(comparison: Comparison, tmp_path: Path) -> None:
     rendered = fr_compare.render(comparison)
     table = tmp_path / "table.md"
@@ -96,6 +100,7 @@ def _analyze(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
+@pytest.mark.e2e
 def test_text_shows_hangs_then_past_mismatches_then_lagging_ranks(tmp_path: Path) -> None:
     # A hang (rank 3 never joins #11), a lag (rank 3 still at #10) and a past mismatch (rank 1's #4 in half).
     case = _case("hang/lagging-then-missing")
@@ -122,6 +127,7 @@ def test_text_shows_hangs_then_past_mismatches_then_lagging_ranks(tmp_path: Path
     assert lag["age_seconds"] == pytest.approx(fr_cases.DUMP_TIME - (fr_cases.T0 + 90))
 
 
+@pytest.mark.e2e
 def test_bad_input_is_skipped_with_one_counted_line_per_file(tmp_path: Path) -> None:
     case = _case("bad/odd-entries")
     directory, _ = fr_compare.write_case(Case("bad", "", "", case.dumps, (), unreadable={4: b"\x80\x04junk"}),

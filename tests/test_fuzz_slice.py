@@ -22,6 +22,7 @@ KNOWN_FAILURES: dict[str, str] = {}
 CI_BUDGET_FACTOR = 4.0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[n], strict=True))
                                   if n in KNOWN_FAILURES else n for n in sorted(fuzz.TARGETS)])
 def test_parser_survives_fuzzing(name: str) -> None:

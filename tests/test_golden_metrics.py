@@ -6,6 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from frexporter import __version__
@@ -92,6 +93,7 @@ def test_metrics_match_golden_file() -> None:
     assert text == GOLDEN.read_text(), "run with FREXPORTER_UPDATE_GOLDEN=1 and review the diff"
 
 
+@pytest.mark.e2e
 def test_golden_metrics_pass_promtool() -> None:
     promtool = require_tool("promtool")
     out = subprocess.run([promtool, "check", "metrics"], input=GOLDEN.read_text(), capture_output=True, text=True,

@@ -134,6 +134,7 @@ SURROGATE_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("field", sorted(SURROGATE_FIELDS))
 def test_a_lone_surrogate_costs_one_repaired_string_not_the_node(short_tmp: Path, field: str) -> None:
     manifest_fields, snapshot_fields, op = SURROGATE_FIELDS[field]
@@ -197,6 +198,7 @@ def test_real_ranks_with_a_latin1_job_id(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ answers past the ring's bounds
 
 
+@pytest.mark.e2e
 def test_bounds_follow_the_declared_ring() -> None:
     small, large = trace.answer_bounds(2000, 8), trace.answer_bounds(100_000, 131_072)
     assert small.max_bytes < 16 * 1024 * 1024 < large.max_bytes

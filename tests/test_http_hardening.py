@@ -123,6 +123,7 @@ def rejected_total(base: str) -> float | None:
 # ---------------------------------------------------------------- Part A: connections
 
 
+@pytest.mark.e2e
 def test_half_sent_requests_are_closed_while_scrapes_stay_fast(tmp_path: Path) -> None:
     with serve(tmp_path) as srv:
         # What Prometheus does: one kept-alive connection, used again after a quiet spell longer than the
@@ -168,6 +169,7 @@ def test_half_sent_requests_are_closed_while_scrapes_stay_fast(tmp_path: Path) -
     assert len(scrapes) > 10 and max(scrapes) < SCRAPE_WITHIN, sorted(scrapes)[-5:]
 
 
+@pytest.mark.e2e
 def test_connections_over_the_cap_are_refused_and_counted(tmp_path: Path) -> None:
     cap = 4
     refusals = 0
@@ -220,6 +222,7 @@ def test_connections_over_the_cap_are_refused_and_counted(tmp_path: Path) -> Non
         assert sample(metrics(body.decode()), n.HTTP_CONNECTIONS_REJECTED_TOTAL) == refusals >= 3
 
 
+@pytest.mark.e2e
 def test_http09_request_line_is_answered_at_once(tmp_path: Path) -> None:
     with serve(tmp_path) as srv:
         for line in (b"GET /\r\n", b"GET /metrics\n"):
@@ -234,6 +237,7 @@ def test_http09_request_line_is_answered_at_once(tmp_path: Path) -> None:
         assert timed_scrape(srv.base + "/metrics")[0] < SCRAPE_WITHIN
 
 
+@pytest.mark.e2e
 def test_listen_backlog_takes_a_burst(tmp_path: Path) -> None:
     """With the server stopped, the kernel completes handshakes only while the accept queue has room:
     the backlog, not the server, decides how many of a burst get in (socketserver's default was 5)."""
@@ -262,6 +266,7 @@ def test_listen_backlog_takes_a_burst(tmp_path: Path) -> None:
         assert timed_scrape(srv.base + "/metrics")[0] < SCRAPE_WITHIN * 5  # it has 129 closes to take first
 
 
+@pytest.mark.e2e
 def test_idle_keep_alive_connection_is_closed_after_the_idle_timeout(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch,
                                                                      exporter_factory: Any) -> None:
@@ -300,6 +305,7 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return d / "server.crt", d / "server.key"
 
 
+@pytest.mark.e2e
 def test_tls_handshake_and_half_sent_requests_are_cut_off(tmp_path: Path, certificate: tuple[Path, Path]) -> None:
     crt, key = certificate
     config = tmp_path / "web.yml"
@@ -431,6 +437,7 @@ def test_client_chosen_content_types_do_not_grow_the_cache(tmp_path: Path, expor
     assert len(exp.app.server.httpd.renders._bodies) <= server.MAX_CACHED_VARIANTS
 
 
+@pytest.mark.e2e
 def test_prometheus_scrapes_with_gzip(tmp_path: Path, promstack: PromStack) -> None:
     since = time.time()
     with serve(tmp_path, port=promstack.exporter_port) as srv:

@@ -373,6 +373,7 @@ def exposition(reading: GpuReading) -> bytes:
     return generate_latest(registry)
 
 
+@pytest.mark.e2e
 def test_exposition_passes_promtool() -> None:
     text = exposition(full_reading())
     assert n.GPU_ENERGY_JOULES_TOTAL.encode() + b"{" in text
@@ -416,6 +417,7 @@ def test_real_pynvml_backend() -> None:
         source.close()
 
 
+@pytest.mark.e2e
 def test_importing_the_gpu_path_loads_neither_pynvml_nor_torch() -> None:
     code = (
         "import sys, frexporter.sources.nvml, frexporter.outputs.gpu_metrics; "
@@ -479,6 +481,7 @@ _GARBAGE = st.sampled_from(
 _WHOLE_SOURCE_REASONS = {"library_not_found", "driver", "init_failed", "timeout", "no_permission", "unknown"}
 
 
+@pytest.mark.e2e
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_backend_failures_only_raise_source_error(data: st.DataObject) -> None:

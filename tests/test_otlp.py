@@ -240,6 +240,7 @@ def test_bad_endpoint_is_a_config_error(endpoint: str, protocol: str | None) -> 
 # ---------------------------------------------------------------- over the wire
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_push_carries_snapshot_values(receiver: Receiver, pushers: list[OtlpPusher], protocol: str,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -326,6 +327,7 @@ def prometheus_histograms(snapshot: NodeSnapshot) -> dict[tuple[str, frozenset[t
     return result
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_prometheus_and_otlp_agree_on_every_value(receiver: Receiver, pushers: list[OtlpPusher],
                                                   protocol: str) -> None:
@@ -356,6 +358,7 @@ def test_prometheus_and_otlp_agree_on_every_value(receiver: Receiver, pushers: l
     assert got == expected
 
 
+@pytest.mark.e2e
 def test_series_that_ended_are_not_pushed_again(receiver: Receiver, pushers: list[OtlpPusher]) -> None:
     """A resolved verdict or a finished job leaves OTLP with its last poll, as it leaves /metrics."""
     pusher = OtlpPusher(receiver.endpoint("http"))
@@ -374,6 +377,7 @@ def test_series_that_ended_are_not_pushed_again(receiver: Receiver, pushers: lis
     assert not [r for r in rows if "otel.metric.overflow" in r["attrs"]]
 
 
+@pytest.mark.e2e
 def test_exporter_poll_listener_and_background_loop(receiver: Receiver, pushers: list[OtlpPusher]) -> None:
     """Wired like app.py: the poll loop hands each snapshot over; the pusher's own thread sends it; shutdown
     sends the last one."""
@@ -524,6 +528,7 @@ def test_internal_error_never_reaches_the_caller(pushers: list[OtlpPusher]) -> N
 # ---------------------------------------------------------------- through a real collector
 
 
+@pytest.mark.e2e
 def test_through_the_rotel_collector(receiver: Receiver, pushers: list[OtlpPusher], tmp_path: Path) -> None:
     """OTLP/gRPC into rotel (a real collector from PyPI), forwarded over OTLP/HTTP to the receiver."""
     spec = importlib.util.find_spec("rotel")
@@ -566,6 +571,7 @@ def test_through_the_rotel_collector(receiver: Receiver, pushers: list[OtlpPushe
             proc.wait()
 
 
+@pytest.mark.e2e
 def test_a_job_id_that_was_not_utf8_is_pushed_repaired(receiver: Receiver, pushers: list[OtlpPusher],
                                                       tmp_path: Path) -> None:
     """A rank whose job id held a byte that was not UTF-8 (a lone surrogate in its manifest): the pushed series

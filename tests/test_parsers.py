@@ -6,6 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +29,7 @@ def mutated(base: dict) -> st.SearchStrategy[dict]:
     return st.builds(lambda key, value: {**base, key: value}, st.sampled_from(sorted(base)), json_values)
 
 
+@pytest.mark.e2e
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(json_values, mutated(spoolgen.manifest("j", 1, pgs=2))))
 def test_manifest_parser_only_raises_spool_errors(doc: object) -> None:
@@ -59,6 +61,7 @@ GLOO_ENTRY = {
 }
 
 
+@pytest.mark.e2e
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(json_values, mutated(GLOO_ENTRY)), max_size=6), json_values)
 def test_fr_dump_parser_drops_bad_entries(entries: list, status: object) -> None:

@@ -26,6 +26,7 @@ def _verdicts(exp, kind: str) -> list:
 # ---------------------------------------------------------------- live gloo jobs
 
 
+@pytest.mark.e2e
 def test_rank_failing_before_init_process_group_is_named_absent(job_factory, exporter_factory) -> None:
     # torchrun-like: 3 local ranks; rank 1 crashes before install(); ranks 0 and 2 wait in the rendezvous.
     job = job_factory("pre_init_fail", 3, launcher_env=True, env={"JOB_TIMEOUT": "120"})
@@ -52,6 +53,7 @@ def test_rank_failing_before_init_process_group_is_named_absent(job_factory, exp
                 proc.wait()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("launcher", [False, True], ids=["plain", "torchrun_env"])
 def test_rank_killed_half_a_second_after_init_is_down_every_time(job_factory, exporter_factory,
                                                                 launcher: bool) -> None:

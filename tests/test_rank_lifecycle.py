@@ -88,6 +88,7 @@ def test_removed_files_drop_the_rank(tmp_path: Path) -> None:
     assert src.collect().ranks == ()
 
 
+@pytest.mark.e2e
 def test_rank_between_its_manifest_and_first_snapshot_is_starting_not_wedged(tmp_path: Path) -> None:
     # The recorder writes a rank's manifest, then its first snapshot, in one tick; an exporter that polls in
     # between finds a live worker socket and no heartbeat. That is a rank starting, not a wedged Python.

@@ -34,6 +34,7 @@ def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
                           env={**ENV, **env})
 
 
+@pytest.mark.e2e
 def test_install_is_idempotent_and_does_not_import_torch(tmp_path: Path) -> None:
     out = python(
         "import sys, threading, time\n"
@@ -52,6 +53,7 @@ def test_install_is_idempotent_and_does_not_import_torch(tmp_path: Path) -> None
     assert (tmp_path.stat().st_mode & 0o777) == 0o700
 
 
+@pytest.mark.e2e
 def test_install_into_an_unusable_directory_warns_and_returns_none(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -64,6 +66,7 @@ def test_install_into_an_unusable_directory_warns_and_returns_none(tmp_path: Pat
     assert "frexporter recorder disabled" in out.stderr
 
 
+@pytest.mark.e2e
 def test_install_sets_flight_recorder_buffer_before_first_pg() -> None:
     out = python(
         "import os\nfrom frexporter.recorder import install\n"
@@ -200,6 +203,7 @@ def test_destroyed_and_recreated_process_group_is_published_again(tmp_path: Path
     assert out.stdout.split("\n")[:2] == ["0", "1 {}"]
 
 
+@pytest.mark.e2e
 def test_stack_is_sampled_only_while_the_rank_makes_no_collective_progress(tmp_path: Path) -> None:
     # A rank that completes collectives is nobody's culprit: its snapshots carry no stack, and training pays
     # nothing for one. Once it stops (here: parked in a named function), the stack comes within two snapshots.

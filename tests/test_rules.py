@@ -54,10 +54,12 @@ def _check_rules(promtool: str, path: Path) -> None:
     assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
 
 
+@pytest.mark.e2e
 def test_shipped_rules_pass_promtool_check_and_lint(promtool: str) -> None:
     _check_rules(promtool, RULES_PATH)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("scale", [0.1, 0.01])
 def test_scaled_rules_pass_promtool_check(promtool: str, tmp_path: Path, scale: float) -> None:
     path = tmp_path / "scaled.rules.yml"
@@ -65,6 +67,7 @@ def test_scaled_rules_pass_promtool_check(promtool: str, tmp_path: Path, scale: 
     _check_rules(promtool, path)
 
 
+@pytest.mark.e2e
 def test_promtool_unit_tests_pass(promtool: str) -> None:
     assert UNIT_TESTS, "no promtool unit tests in tests/rules/"
     result = _run([promtool, "test", "rules", *map(str, UNIT_TESTS)])
@@ -78,6 +81,7 @@ def test_unit_tests_load_the_shipped_rules() -> None:
         assert resolved == [RULES_PATH.resolve()], test_file
 
 
+@pytest.mark.e2e
 def test_unit_tests_pin_every_alert_to_its_shipped_timing(promtool: str, tmp_path: Path) -> None:
     """The same unit tests against rules with halved timings must fail for
     every alert; otherwise a boundary test would pass whatever the timing."""

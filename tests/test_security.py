@@ -151,6 +151,7 @@ def spool_dir(tmp_path: Path) -> Path:
 # ---------------------------------------------------------------- TLS
 
 
+@pytest.mark.e2e
 def test_prometheus_style_scrape_over_tls(pki: PKI, spool_dir: Path, exporter_factory: Any) -> None:
     config = webconfig.load_web_config(str(write_config(pki.dir, tls_config(pki))))
     exp = exporter_factory(spool_dir, web_config=config)
@@ -179,6 +180,7 @@ def test_prometheus_style_scrape_over_tls(pki: PKI, spool_dir: Path, exporter_fa
     assert get(base + "/healthz", client_context(pki))[0] == 200
 
 
+@pytest.mark.e2e
 def test_tls_min_version_is_enforced(pki: PKI, spool_dir: Path, exporter_factory: Any) -> None:
     config = webconfig.load_web_config(str(write_config(pki.dir, tls_config(pki, "  min_version: TLS13\n"))))
     exp = exporter_factory(spool_dir, web_config=config)
@@ -188,6 +190,7 @@ def test_tls_min_version_is_enforced(pki: PKI, spool_dir: Path, exporter_factory
     assert get(f"https://127.0.0.1:{exp.app.port}/healthz", client_context(pki))[0] == 200
 
 
+@pytest.mark.e2e
 def test_client_certificate_required(pki: PKI, spool_dir: Path, exporter_factory: Any) -> None:
     text = tls_config(pki, f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca}\n")
     exp = exporter_factory(spool_dir, web_config=webconfig.load_web_config(str(write_config(pki.dir, text))))
@@ -198,6 +201,7 @@ def test_client_certificate_required(pki: PKI, spool_dir: Path, exporter_factory
     assert code == 200 and "frexporter_build_info" in body
 
 
+@pytest.mark.e2e
 def test_client_allowed_sans(pki: PKI, spool_dir: Path, exporter_factory: Any) -> None:
     text = tls_config(pki, f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca}\n"
                            "  client_allowed_sans: [scraper]\n")
@@ -207,6 +211,7 @@ def test_client_allowed_sans(pki: PKI, spool_dir: Path, exporter_factory: Any) -
     assert get(url, client_context(pki, (pki.client_crt, pki.client_key)))[0] == 200
 
 
+@pytest.mark.e2e
 def test_rotated_certificate_is_picked_up(pki: PKI, tmp_path: Path, spool_dir: Path, exporter_factory: Any) -> None:
     crt, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     crt.write_bytes(pki.client_crt.read_bytes())  # a certificate without the server's SAN
@@ -226,6 +231,7 @@ def test_rotated_certificate_is_picked_up(pki: PKI, tmp_path: Path, spool_dir: P
 # ---------------------------------------------------------------- basic auth
 
 
+@pytest.mark.e2e
 def test_basic_auth_protects_every_endpoint(pki: PKI, spool_dir: Path, exporter_factory: Any) -> None:
     text = tls_config(pki, f"basic_auth_users:\n  prometheus: '{HASH}'\n"
                            "http_server_config:\n  headers:\n    X-Content-Type-Options: nosniff\n")
@@ -245,6 +251,7 @@ def test_basic_auth_protects_every_endpoint(pki: PKI, spool_dir: Path, exporter_
     assert get(base + "/nope", ctx, basic("prometheus", PASSWORD))[0] == 404
 
 
+@pytest.mark.e2e
 def test_repeated_scrapes_cost_one_bcrypt(pki: PKI, spool_dir: Path, exporter_factory: Any) -> None:
     config = WebConfig(path="test", basic_auth_users={"prometheus": HASH})
     exp = exporter_factory(spool_dir, web_config=config)
@@ -281,6 +288,7 @@ def test_basic_auth_unit() -> None:
 # ---------------------------------------------------------------- config errors
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("text", "message"), [
     ("tls_server_config: [\n", "not valid YAML"),
     ("- a\n- b\n", "the top level must be a mapping, got list"),
@@ -326,6 +334,7 @@ def test_empty_config_means_plain_http(tmp_path: Path) -> None:
     assert config.tls is None and not config.basic_auth_users and not config.authenticates
 
 
+@pytest.mark.e2e
 def test_config_as_json_without_yaml(pki: PKI, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "yaml", None)  # the daemon installed without the auth extra
     path = pki.dir / "web.json"
@@ -341,6 +350,7 @@ def frexporter(*args: str) -> subprocess.CompletedProcess[str]:
                           env=ENV)
 
 
+@pytest.mark.e2e
 def test_cli_refuses_a_malformed_config(pki: PKI, spool_dir: Path) -> None:
     path = write_config(spool_dir.parent, "basic_auth_users:\n  alice: plaintext\n")
     out = frexporter("serve", "--dir", str(spool_dir), "--listen", "127.0.0.1:0", "--no-nvml", "--web-config",
@@ -352,6 +362,7 @@ def test_cli_refuses_a_malformed_config(pki: PKI, spool_dir: Path) -> None:
     assert out.returncode == 2 and "No such file or directory" in out.stderr
 
 
+@pytest.mark.e2e
 def test_cli_serves_tls_and_basic_auth(pki: PKI, spool_dir: Path) -> None:
     path = write_config(pki.dir, tls_config(pki, f"basic_auth_users:\n  prometheus: '{HASH}'\n"))
     port = free_port()
@@ -427,6 +438,7 @@ def test_loopback_hosts(host: str) -> None:
     check_debug_exposure(host, None)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "10.1.2.3", "fe80::1", "node-a.example.com"])
 def test_debug_endpoints_refused_when_exposed_without_tls_and_auth(pki: PKI, host: str) -> None:
     assert not is_loopback(host)
@@ -445,6 +457,7 @@ def test_debug_endpoints_refused_when_exposed_without_tls_and_auth(pki: PKI, hos
     check_debug_exposure(host, both)
 
 
+@pytest.mark.e2e
 def test_debug_endpoints_on_all_addresses_with_tls_and_auth(pki: PKI, spool_dir: Path) -> None:
     with pytest.raises(WebConfigError):
         build_app(ServeConfig(directory=str(spool_dir), host="0.0.0.0", port=0, sources=(n.SOURCE_RANKS,),
@@ -463,6 +476,7 @@ def test_debug_endpoints_on_all_addresses_with_tls_and_auth(pki: PKI, spool_dir:
         app.stop()
 
 
+@pytest.mark.e2e
 def test_cli_refuses_exposed_debug_endpoints(spool_dir: Path) -> None:
     out = frexporter("serve", "--dir", str(spool_dir), "--listen", ":0", "--no-nvml", "--enable-debug-endpoints")
     assert out.returncode == 2, out.stderr
@@ -558,6 +572,7 @@ def test_files_and_sockets_open_to_everyone(tmp_path: Path) -> None:
     assert len(spool.check_permissions(str(d), group=False)) == 1
 
 
+@pytest.mark.e2e
 def test_serve_strict_permissions_refuses(tmp_path: Path) -> None:
     d = tmp_path / "spool"
     d.mkdir()
@@ -568,6 +583,7 @@ def test_serve_strict_permissions_refuses(tmp_path: Path) -> None:
     assert f"fix: chmod 700 {d}" in out.stderr
 
 
+@pytest.mark.e2e
 def test_serve_refuses_a_spool_that_turns_up_unsafe(tmp_path: Path) -> None:
     """A sidecar starts before its trainer makes the spool: the ranks source's first read of it decides."""
     d = tmp_path / "spool"
@@ -655,6 +671,7 @@ def test_root_warning() -> None:
     assert warning is not None and "running as root" in warning and "65532" in warning
 
 
+@pytest.mark.e2e
 def test_group_mode_with_real_ranks(job_factory: Any, exporter_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     require_module("torch")
     job = job_factory("counts", 2, env={spool.GROUP_ENV: "1"})
@@ -674,6 +691,7 @@ def test_group_mode_with_real_ranks(job_factory: Any, exporter_factory: Any, mon
              timeout=30, what="both ranks read, sockets answering")
 
 
+@pytest.mark.e2e
 def test_stop_closes_kept_alive_tls_connections(pki: PKI, spool_dir: Path) -> None:
     import http.client
 

@@ -155,6 +155,7 @@ def _writer(path: str, stop: float) -> None:
         writer.write(json.dumps(doc(counter=counter, message="p" * (counter % 5000))).encode())
 
 
+@pytest.mark.e2e
 def test_a_reader_never_sees_a_half_written_snapshot(tmp_path: Path) -> None:
     """A writer process updating as fast as it can; every read is whole and counters never go back."""
     path = tmp_path / ("j.r0" + spool.SNAPSHOT_MAP_SUFFIX)

@@ -30,6 +30,8 @@ from frexporter.model import RANK_OK
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from tests import spoolgen
 
+pytestmark = pytest.mark.e2e
+
 RANK_TIMEOUT = 0.5
 POLLS = 8
 SLACK = 0.4  # scheduling slack on a loaded 2-core box, as in test_bad_input

@@ -123,6 +123,7 @@ def ranks_errors(doc: dict[str, Any]) -> dict[str, int]:
     return next(s for s in doc["sources"] if s["source"] == n.SOURCE_RANKS)["errors_total"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "json"])
 def test_linked_files_are_never_read_by_a_serving_exporter(tmp_path: Path, mapped: bool) -> None:
     """Symbolic and hard links under spool names, to a snapshot and a manifest outside the spool."""
@@ -310,6 +311,7 @@ print(len(data), flush=True)
 """
 
 
+@pytest.mark.e2e
 @as_root
 def test_socket_swapped_after_the_check_is_caught_by_peer_credentials(tmp_path: Path) -> None:
     """The planter swaps the rank's socket for a link to another user's service after every check of the name:
@@ -366,6 +368,7 @@ def test_socket_swapped_after_the_check_is_caught_by_peer_credentials(tmp_path: 
 JUNK = 80_000
 
 
+@pytest.mark.e2e
 def test_junk_flood_is_counted_exactly_with_a_bounded_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     d = private_spool(tmp_path)
     spoolgen.write_rank(d, "job", 0)
@@ -488,6 +491,7 @@ def test_spool_opened_up_while_running_is_warned_and_counted(tmp_path: Path,
         source.close()
 
 
+@pytest.mark.e2e
 def test_strict_serve_stops_reading_a_spool_opened_up_and_resumes_when_fixed(tmp_path: Path) -> None:
     d = private_spool(tmp_path)
     stem = spoolgen.write_rank(d, "job", 0, mapped=True)

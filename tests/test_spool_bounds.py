@@ -100,6 +100,7 @@ def timed_status(base: str) -> tuple[bytes, float]:
     return body, time.monotonic() - started
 
 
+@pytest.mark.e2e
 def test_hostile_member_lists_are_refused_and_the_exporter_stays_small(tmp_path: Path) -> None:
     spoolgen.write_rank(tmp_path, "job", 0)
     for i in range(HOSTILE_MANIFESTS):
@@ -126,6 +127,7 @@ def test_hostile_member_lists_are_refused_and_the_exporter_stays_small(tmp_path:
         assert peak_rss_kib(proc.pid) < RSS_LIMIT_KIB
 
 
+@pytest.mark.e2e
 def test_member_lists_at_the_bound_are_served_small(tmp_path: Path) -> None:
     """The worst the bound admits: every rank lists its own 131,072-member group, with work in flight."""
     when = time.time()
@@ -201,6 +203,7 @@ def test_at_the_bound_accepted_one_past_refused(kind: str, case: str, reason: st
     assert e.value.reason == reason
 
 
+@pytest.mark.e2e
 def test_a_full_ring_at_the_entry_bound_parses() -> None:
     entries = [{**fuzz.GLOO_ENTRY, "record_id": i, "collective_seq_id": i + 1} for i in range(trace.MAX_ENTRIES)]
     dump = trace.parse_dump({"version": "2.10", "entries": entries})

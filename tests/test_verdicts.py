@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -555,6 +556,7 @@ def members_of(states: list[RankState], job: str, name: str) -> set[int]:
     return out
 
 
+@pytest.mark.e2e
 @settings(max_examples=400, deadline=None)
 @given(rank_sets(), st.sampled_from((0.0, 60.0)), st.booleans())
 def test_property_culprits_are_members_and_never_waiters(states: list[RankState], stuck_after: float,

@@ -256,6 +256,7 @@ def _healthy(port: int, proc: subprocess.Popen[bytes]) -> bool:
         return False
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("selections", [[SELECTION], list(itertools.combinations(BIG_FAMILIES, 2))],
                          ids=["same-selection", "past-the-cache-bound"])
 def test_name_flood_does_not_starve_the_poll_loop(tmp_path: Path, selections: list[tuple[str, ...]]) -> None:
@@ -408,6 +409,7 @@ def _handshake(port: int, ctx: ssl.SSLContext) -> str:
         return type(e).__name__
 
 
+@pytest.mark.e2e
 def test_inline_cert_key_and_client_ca_serve_mutual_tls(pki: Pki, tmp_path: Path, exporter_factory: Any) -> None:
     text = ("tls_server_config:\n" + _block("cert", pki.server_crt) + _block("key", pki.server_key)
             + _block("client_ca", pki.ca) + "  client_auth_type: RequireAndVerifyClientCert\n")
@@ -419,6 +421,7 @@ def test_inline_cert_key_and_client_ca_serve_mutual_tls(pki: Pki, tmp_path: Path
     assert _handshake(exp.app.port, _client(pki)) in REFUSED
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "temp-file"])
 def test_inline_pem_is_loaded_from_a_private_file_that_is_then_gone(pki: Pki, tmp_path: Path, memfd: bool,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -442,6 +445,7 @@ def test_inline_pem_is_loaded_from_a_private_file_that_is_then_gone(pki: Pki, tm
         assert not os.path.exists(name)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("tls", "message"), [
     ("  cert_file: server.crt\n{cert}  key_file: server.key\n", "set cert or cert_file, not both"),
     ("{cert}  key: server.key\n", "tls_server_config.key must be PEM text (-----BEGIN ...), not a file name"),
@@ -462,6 +466,7 @@ def test_bad_inline_tls_material_is_refused(pki: Pki, tls: str, message: str) ->
     assert "PRIVATE KEY" not in str(err.value)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("key", "version"), [("min_version", "TLS10"), ("min_version", "TLS11"),
                                               ("max_version", "TLS11")])
 def test_tls_versions_openssl_cannot_serve_are_refused(pki: Pki, key: str, version: str) -> None:
@@ -473,6 +478,7 @@ def test_tls_versions_openssl_cannot_serve_are_refused(pki: Pki, key: str, versi
     assert "is not supported: TLS 1.0 and 1.1 are deprecated (RFC 8996)" in str(err.value)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("bounds", "negotiated", "refused"), [
     ("  max_version: TLS12\n", ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3),
     ("  min_version: TLS13\n", ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_2),

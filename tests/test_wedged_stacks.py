@@ -332,6 +332,7 @@ def test_off_without_the_flag_or_the_handler(rig) -> None:
     assert unlisted.calls() == 0
 
 
+@pytest.mark.e2e
 def test_hung_py_spy_never_holds_a_poll_and_few_run_at_once(rig) -> None:
     r = rig({"ping": (200, b"pong"), pyspy.HANDLER: None}, ranks=4, stack_timeout=1.0)
     # Every wedged rank is asked in the end, at most MAX_CONCURRENT at a time; each fetch gives up at its timeout.
