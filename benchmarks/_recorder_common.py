@@ -42,14 +42,14 @@ def snapshot_gil_parts() -> dict[str, float]:
     """Median thread CPU of a snapshot's parts, which hold the GIL throughout (no syscall inside): reading
     torch's status JSON, and building and storing the snapshot in its mapped file (a memory copy)."""
     from frexporter import spool
-    from frexporter.recorder import fr
+    from frexporter.recorder import torch_fr
     from frexporter.recorder.publisher import Publisher
 
     with tempfile.TemporaryDirectory() as directory:
         pub = Publisher(directory, "probe", 1.0)
         pub._stem = "probe.r0"
         pub._map = spool.SnapshotMap(pub._path(spool.SNAPSHOT_MAP_SUFFIX))
-        pub._status = reader = fr.StatusReader(fr.available_recorders())
+        pub._status = reader = torch_fr.StatusReader(torch_fr.available_recorders())
         status = reader.read()
         pub._write_snapshot(status)  # creates the mapped file (syscalls, once)
         parts = {"read_status_us": _thread_cpu_us(reader.read),

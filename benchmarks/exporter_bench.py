@@ -32,7 +32,7 @@ from frexporter.app import App
 from frexporter.exporter import Exporter
 from frexporter.model import NodeSnapshot
 from frexporter.outputs import exposition
-from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.outputs.snapshot_metrics import SnapshotCollector
 from frexporter.sources.nvml import NvmlSource
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from frexporter.web.server import GZIP_LEVEL, MetricsServer

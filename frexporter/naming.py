@@ -40,7 +40,7 @@ SOURCE_UP = PREFIX + "source_up"
 SOURCE_DURATION_SECONDS = PREFIX + "source_duration_seconds"
 SOURCE_ERRORS_TOTAL = PREFIX + "source_errors_total"
 SOURCE_LAST_SUCCESS_TIMESTAMP_SECONDS = PREFIX + "source_last_success_timestamp_seconds"
-# The HTTP server's own (outputs/http_server.py): connections closed unserved at the connection cap.
+# The HTTP server's own (outputs/http_metrics.py): connections closed unserved at the connection cap.
 HTTP_CONNECTIONS_REJECTED_TOTAL = PREFIX + "http_connections_rejected_total"
 
 # Ranks

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from frexporter import spool
-from frexporter.analysis.activity import describe
+from frexporter.analysis.culprit_activity import describe
 from frexporter.model import BUSY_HOLD_SECONDS, RANK_DOWN, RANK_OK, RANK_UNRESPONSIVE, Activity
-from frexporter.sources.activity import BUSY_CPU_PERCENT, classify, next_activity
+from frexporter.sources.rank_activity import BUSY_CPU_PERCENT, classify, next_activity
 
 TORCH_WAIT = ("all_reduce", "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 2950)
 USER = ("save_checkpoint", "/job/train.py", 142)

@@ -18,7 +18,7 @@ from frexporter.analysis import make_analyzer
 from frexporter.exporter import Exporter
 from frexporter.fr.trace import FrEntry, parse_entry
 from frexporter.model import DURATION_BUCKETS
-from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.outputs.snapshot_metrics import SnapshotCollector
 from frexporter.sources.collectives import (
     MAX_OPS_PER_PG,
     OTHER_OP,

@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from frexporter.exporter import Exporter
 from frexporter.outputs import exposition
-from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.outputs.snapshot_metrics import SnapshotCollector
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from tests import spoolgen
 from tests.test_golden_metrics import fixed_snapshot

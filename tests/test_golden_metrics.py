@@ -25,7 +25,7 @@ from frexporter.model import (
     RankState,
     SourceStatus,
 )
-from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.outputs.snapshot_metrics import SnapshotCollector
 from tests.harness import require_tool
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"

@@ -274,7 +274,7 @@ def test_only_the_cli_exits() -> None:
     ("frexporter.spool", "spool"),
     ("frexporter.spool.layout", "spool"),  # spool/ as a package
     ("frexporter.fr.trace", "fr"),
-    ("frexporter.recorder.fr", RECORDER),  # not the fr layer
+    ("frexporter.recorder.torch_fr", RECORDER),  # not the fr layer
     ("frexporter.sources.ranks", "sources"),
     ("frexporter.sources.ranks.liveness", "sources"),  # sources/ranks/ as a package
     ("frexporter.ratelimit", "base"),

@@ -26,7 +26,7 @@ from frexporter import naming as n
 from frexporter.analysis.verdicts import Verdict
 from frexporter.exporter import Exporter
 from frexporter.model import NodeSnapshot, RemappedRows
-from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.outputs.snapshot_metrics import SnapshotCollector
 from frexporter.sources.base import Reading
 from tests.harness import REPO, free_port, missing, require_module, wait_for
 from tests.test_golden_metrics import fixed_snapshot

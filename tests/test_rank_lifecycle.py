@@ -95,7 +95,7 @@ def test_rank_between_its_manifest_and_first_snapshot_is_starting_not_wedged(tmp
     tmp_path.chmod(0o700)
     sock = tmp_path / spool.socket_name("job-r0")
     server = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from frexporter.recorder import fr; s = fr.start_worker_server("
+        [sys.executable, "-c", "import sys; from frexporter.recorder import torch_fr; s = torch_fr.start_worker_server("
          "sys.argv[1]); print('up', flush=True); sys.stdin.read()", str(sock)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:

@@ -245,7 +245,7 @@ def test_stack_is_sampled_only_while_the_rank_makes_no_collective_progress(tmp_p
 def test_only_the_recorders_that_the_process_groups_use_are_read() -> None:
     """Each recorder read is a status call under the GIL in every snapshot: an NCCL-only job on a CUDA build reads
     NCCL's alone; a cpu:gloo,cuda:nccl group needs both; a backend it cannot place keeps every recorder."""
-    from frexporter.recorder.fr import recorders_in_use
+    from frexporter.recorder.torch_fr import recorders_in_use
 
     both = (spool.RECORDER_FR, spool.RECORDER_NCCL)
     assert recorders_in_use(both, ["cuda:nccl"]) == (spool.RECORDER_NCCL,)

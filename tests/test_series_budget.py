@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from frexporter import naming as n
 from frexporter.model import ACTIVITY_IN_COLLECTIVE, RANK_OK, Activity, NodeSnapshot, PGState, RankState, SourceStatus
-from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.outputs.snapshot_metrics import SnapshotCollector
 
 SERIES_BUDGET_PER_RANK = 40
 RANKS_PER_NODE = 8

@@ -12,7 +12,7 @@ from frexporter import cli, defaults
 from frexporter import naming as n
 from frexporter.app import ServeConfig, build_app
 from frexporter.exporter import Exporter
-from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.outputs.snapshot_metrics import SnapshotCollector
 from frexporter.sources import DEFAULT_SOURCES, SOURCES
 from frexporter.sources.nvml import NvmlSource
 from frexporter.sources.ranks import RanksSource

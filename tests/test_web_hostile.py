@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from frexporter import naming as n
 from frexporter.outputs import exposition
-from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.outputs.snapshot_metrics import SnapshotCollector
 from frexporter.web import server, webconfig
 from frexporter.web.webconfig import RateLimit, WebConfig, WebConfigError
 from tests import spoolgen

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from frexporter import spool
-from frexporter.analysis.activity import describe
+from frexporter.analysis.culprit_activity import describe
 from frexporter.model import FRAMES_PYSPY, FRAMES_RECORDER, RANK_OK, RANK_UNRESPONSIVE, Activity, RankState
 from frexporter.sources import pyspy
-from frexporter.sources.activity import next_activity
 from frexporter.sources.base import SourceError
+from frexporter.sources.rank_activity import next_activity
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from tests import spoolgen
 from tests.harness import REPO, wait_for

@@ -31,7 +31,7 @@ from typing import Any
 
 from frexporter import defaults
 from frexporter.analysis import text
-from frexporter.analysis.activity import with_activity
+from frexporter.analysis.culprit_activity import with_activity
 from frexporter.analysis.findings import (
     Finding,
     FindingsConfig,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from frexporter import defaults, naming
-from frexporter.analysis.activity import describe
+from frexporter.analysis.culprit_activity import describe
 from frexporter.app import App, ServeConfig, build_app
 from frexporter.demo.rank import HANG_RANK
 from frexporter.model import NodeSnapshot

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from frexporter import __version__
-from frexporter.analysis.activity import where as activity_where
+from frexporter.analysis.culprit_activity import where as activity_where
 from frexporter.analysis.verdicts import Verdict, budget_left
 from frexporter.model import (
     ACTIVITY_UNKNOWN,

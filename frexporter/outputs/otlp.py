@@ -47,7 +47,7 @@ from prometheus_client.core import Metric as PromMetric
 from frexporter import __version__, defaults, extras, reasons
 from frexporter import naming as n
 from frexporter.model import NodeSnapshot, SourceStatus
-from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.outputs.snapshot_metrics import SnapshotCollector
 
 log = logging.getLogger("frexporter.otlp")
 

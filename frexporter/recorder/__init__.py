@@ -18,7 +18,7 @@ import sys
 import threading
 
 from frexporter import spool
-from frexporter.recorder import fr
+from frexporter.recorder import torch_fr
 from frexporter.recorder.publisher import Publisher, default_job_id
 
 __all__ = ["default_job_id", "install"]
@@ -57,13 +57,13 @@ def _enable_flight_recorder() -> None:
     dist = sys.modules.get("torch.distributed")
     late = dist is not None and dist.is_available() and dist.is_initialized()
     if not late:
-        fr.enable_via_env()
+        torch_fr.enable_via_env()
         _enable_nccl_timing()
         return
     if _timing_requested() and not os.environ.get("TORCH_NCCL_ENABLE_TIMING"):
         log.warning("frexporter: FREXPORTER_NCCL_TIMING=1 but install() ran after init_process_group; existing "
                     "NCCL process groups record no durations. Call install() first, or use `frexporter run`.")
-    if fr.buffer_size() == 0 and not _fr_on_by_default():
+    if torch_fr.buffer_size() == 0 and not _fr_on_by_default():
         log.warning(
             "frexporter: install() ran after init_process_group and TORCH_FR_BUFFER_SIZE is unset; "
             "on this torch Flight Recorder is off for existing process groups. Call install() "

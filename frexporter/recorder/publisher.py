@@ -21,7 +21,7 @@ from typing import Any
 
 from frexporter import reasons, safetext, spool
 from frexporter.model import STATE_EXITING, STATE_RUNNING, STATE_STARTING, STATE_STOPPED
-from frexporter.recorder import fr
+from frexporter.recorder import torch_fr
 
 log = logging.getLogger("frexporter.recorder")
 
@@ -73,7 +73,7 @@ class Publisher:
         self._pg_count = -1
         self._generation = 0
         self._counter = 0
-        self._status: fr.StatusReader | None = None
+        self._status: torch_fr.StatusReader | None = None
         self._world: Any = None
         self._pg_names: Any = None  # self._world.pg_names
         self._map = spool.SnapshotMap("")  # the real one once the rank is known (_identify)
@@ -254,7 +254,7 @@ class Publisher:
         """
         assert self._status is not None and self._format is not None
         world, names, count, fmt, lock = self._world, self._pg_names, self._pg_count, self._format, self._write_lock
-        update, time_ns, checked = self._map.updater(), time.time_ns, fr.checked_status
+        update, time_ns, checked = self._map.updater(), time.time_ns, torch_fr.checked_status
         dumpers = self._status.dumpers
         dump = dumpers[0] if len(dumpers) == 1 else None
         read = self._status.read
@@ -306,7 +306,7 @@ class Publisher:
                     self._server.shutdown()
                 self._server = None
             if self._server is None and self._manifest.get("socket"):
-                self._server = fr.start_worker_server(path)
+                self._server = torch_fr.start_worker_server(path)
             self._pg_count = -1  # rewrite the manifest on the next tick
             self._map.close()  # and create the snapshot file anew
             self._snapshot = None
@@ -336,7 +336,7 @@ class Publisher:
         sock_name = ""
         try:
             path = os.path.join(self.directory, spool.socket_name(self._stem))
-            self._server = fr.start_worker_server(path)
+            self._server = torch_fr.start_worker_server(path)
             sock_name = os.path.basename(path)
         except Exception as e:
             self._count_error(reasons.WORKER_SERVER, e)
@@ -353,25 +353,25 @@ class Publisher:
             "start_time": self.start_time,
             "torch_version": str(torch.__version__),
             "backends": [],
-            "gpu_uuid": fr.gpu_uuid(),
+            "gpu_uuid": torch_fr.gpu_uuid(),
             "socket": sock_name,
-            "handlers": list(fr.handler_names()),
+            "handlers": list(torch_fr.handler_names()),
             "recorders": [],  # _write_manifest: the ones its process groups use, with the reader for them
-            "fr_buffer_size": fr.buffer_size(),
+            "fr_buffer_size": torch_fr.buffer_size(),
             "state": STATE_RUNNING,
         }
         if self._launcher:
             self._manifest["launcher"] = self._launcher
-        self._world = fr.world()  # last: set means identified
+        self._world = torch_fr.world()  # last: set means identified
         self._pg_names = self._world.pg_names
 
     def _write_manifest(self) -> None:
         assert self._manifest is not None
         self._generation += 1
-        groups = fr.pg_table()
-        recorders = fr.recorders_in_use(fr.available_recorders(), (g["backend"] for g in groups))
+        groups = torch_fr.pg_table()
+        recorders = torch_fr.recorders_in_use(torch_fr.available_recorders(), (g["backend"] for g in groups))
         if self._status is None or recorders != self._status.recorders:
-            self._status = fr.StatusReader(recorders)
+            self._status = torch_fr.StatusReader(recorders)
             self._format = self._snapshot = None  # the snapshot has a slot per recorder
         self._manifest["recorders"] = list(recorders)
         self._manifest["process_groups"] = groups

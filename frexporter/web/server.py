@@ -47,9 +47,9 @@ from frexporter.exporter import Exporter
 from frexporter.outputs import exposition
 from frexporter.outputs.api import status_html, status_json
 from frexporter.outputs.evidence import list_evidence
-from frexporter.outputs.http_server import HttpServerCollector
+from frexporter.outputs.http_metrics import HttpServerCollector
 from frexporter.outputs.identity import IdentityCollector
-from frexporter.outputs.prometheus import SnapshotCollector
+from frexporter.outputs.snapshot_metrics import SnapshotCollector
 from frexporter.ratelimit import LogLimiter
 from frexporter.web.webconfig import BasicAuth, RateLimit, TLSContextSource, WebConfig
 

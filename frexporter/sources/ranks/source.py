@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from frexporter import spool
 from frexporter.model import FRAMES_PYSPY, FRAMES_RECORDER, STATE_EXITING, PGState, RankState
-from frexporter.sources import activity
+from frexporter.sources import rank_activity
 from frexporter.sources.base import Reading
 from frexporter.sources.ranks import liveness, pg_state
 from frexporter.sources.ranks.config import RanksConfig
@@ -95,7 +95,7 @@ class RanksSource:
         frames, source = (snap.stack if snap is not None else ()), FRAMES_RECORDER
         if track.stack_frames is not None:  # wedged, and py-spy answered for this wedge
             frames, source = track.stack_frames, FRAMES_PYSPY
-        track.activity = activity.next_activity(
+        track.activity = rank_activity.next_activity(
             track.activity, status, frames, track.cpu_percent, any(pg.inflight_count > 0 for pg in pgs), now,
             source)
         return liveness.rank_state(m, snap, status, track.socket_alive, pgs, track.deep_time, track.activity, now)
