@@ -591,11 +591,20 @@ def test_serve_refuses_a_spool_that_turns_up_unsafe(tmp_path: Path) -> None:
                              "--no-nvml", "--strict-permissions", "--poll-interval", "0.2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        time.sleep(1.0)
-        assert proc.poll() is None  # no spool yet: waiting for it, not refusing
+        assert proc.stderr is not None
+        # No spool yet: it says it waits for one, and does not refuse (other warnings may come first).
+        waiting = ""
+        deadline = time.monotonic() + 30
+        while "does not exist yet; waiting" not in waiting and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            waiting += line
+        assert "does not exist yet; waiting" in waiting and proc.poll() is None, waiting
         d.mkdir()
         os.chmod(d, 0o777)
-        _, err = proc.communicate(timeout=30)
+        _, rest = proc.communicate(timeout=30)
+        err = waiting + rest
     finally:
         proc.kill()
         proc.wait()

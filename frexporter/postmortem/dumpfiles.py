@@ -121,7 +121,7 @@ def check_json(data: bytes) -> str | None:
     width = 4 if _count(data, _NOT_UTF8_WIDE) else 2 if _count(data, _NOT_UTF8_MID) else 1
     if len(data) * width > MAX_JSON_BYTES:
         return f"{len(data)} bytes of JSON ({width} a character decoded), over the bound of {MAX_JSON_BYTES}"
-    containers = data.count(b"{") + data.count(b"[")
+    containers = trace.json_containers(data)
     counts = {"containers": containers, "strings": data.count(b'"') // 2, "keys": data.count(b":"),
               "values": containers + data.count(b",")}
     return _over_bounds(counts, _JSON_BOUNDS)

@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 from frexporter import safetext
+from frexporter.fr.trace import json_containers
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 # Series one answer may hold: a 131,072-rank world with four PGs on every rank. The bytes alone do not bound
@@ -182,14 +183,9 @@ def _read_body(resp: http.client.HTTPResponse, source: str) -> bytearray:
     body, containers = bytearray(), 0
     while chunk := resp.read(_READ_BYTES):
         body += chunk
-        containers += _containers(chunk)
+        containers += json_containers(chunk)
         _check_size(len(body), containers, source)
     return body
-
-
-def _containers(data: bytes | bytearray) -> int:
-    """An upper bound on the objects and arrays ``data`` parses into (brackets in strings count too)."""
-    return data.count(b"{") + data.count(b"[")
 
 
 def _check_size(size: int, containers: int, source: str) -> None:
@@ -205,7 +201,7 @@ def parse_query_response(body: bytes | bytearray, source: str = "Prometheus") ->
 
     Label values that hold lone surrogates come back repaired (U+FFFD), so that they can be encoded and
     printed."""
-    _check_size(len(body), _containers(body), source)
+    _check_size(len(body), json_containers(body), source)
     try:
         text = body.decode("utf-8", "surrogatepass")  # as json.loads decodes bytes: surrogates are repaired below
         doc = json.loads(text)

@@ -72,7 +72,7 @@ def _json_type(value: object) -> str:
 def parse_evidence(data: bytes, what: str) -> dict[str, str]:
     """The verdict an exporter recorded in an evidence bundle's verdict.json: its kind, summary and job id
     (text; "" where absent). DumpError, one line, when ``data`` is not such a record."""
-    containers = data.count(b"{") + data.count(b"[")
+    containers = trace.json_containers(data)
     if len(data) > MAX_EVIDENCE_BYTES or containers > MAX_EVIDENCE_CONTAINERS:
         raise DumpError(f"{what}: {len(data)} bytes, up to {containers} objects and lists: over the bound of "
                         f"{MAX_EVIDENCE_BYTES} bytes and {MAX_EVIDENCE_CONTAINERS} for a verdict record")
