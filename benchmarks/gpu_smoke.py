@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu_smoke [--polls 20] [--interval 0.5] [--per-link]   # NVML only (from the repo root)
     python -m benchmarks.gpu_smoke --nccl [--nccl-only] [--steps 50] [--hang-seconds 8]
+    python -m benchmarks.gpu_smoke --hung-gpu [--cpu-dry-run]   # 4 ranks on one GPU, one behind a hung kernel
 
 NVML: reads every GPU through ``PynvmlBackend``, prints the GPU families as
 Prometheus text, the series count per GPU, and how long ``collect()`` and
@@ -18,6 +19,9 @@ exporter must show it as a ``stalled`` verdict (every member joined, none
 completes) with the GPU's NVML facts attached, and clear it once the sleep ends.
 ``--cpu-dry-run`` runs the same harness on gloo/CPU (no hang: nothing to sleep
 on) to check the plumbing on a machine without a GPU.
+
+``--hung-gpu``: the scenario in ``benchmarks/gpu_hang.py`` (a rank waiting on its GPU is ``gpu_wait``, named
+at the learned threshold); with ``--nccl`` or the NVML part it runs last.
 
 Exit codes: 1 NVML unavailable, 2 a reading had field errors, 3 no CUDA or no
 NCCL in this torch, 4 the NCCL job or the exporter did not show what it should.
@@ -42,6 +46,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
+from benchmarks import gpu_hang
 from frexporter import naming as n
 from frexporter.model import GpuReading
 from frexporter.outputs.gpu_metrics import gpu_metric_families
@@ -291,6 +296,9 @@ def nccl_smoke(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--hang-worker":
+        spool, control, port, rank, cpu = sys.argv[2:7]
+        return gpu_hang.worker(spool, control, int(port), int(rank), cpu == "1")
     if len(sys.argv) > 1 and sys.argv[1] == "--rank-worker":
         spool, control, port, steps, hang, cpu = sys.argv[2:8]
         return _rank_worker(spool, control, int(port), int(steps), float(hang), cpu == "1")
@@ -303,16 +311,27 @@ def main() -> int:
     parser.add_argument("--nccl", action="store_true", help="also run the one-rank NCCL job through the exporter")
     parser.add_argument("--nccl-only", action="store_true", help="only the NCCL job (implies --nccl)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="the NCCL harness on gloo/CPU, without the hang")
+    parser.add_argument("--hung-gpu", action="store_true",
+                        help="4 ranks on one GPU, one behind a kernel that never ends (benchmarks/gpu_hang.py)")
     parser.add_argument("--steps", type=int, default=50, help="all_reduces before the injected hang")
     parser.add_argument("--hang-seconds", type=float, default=8.0, help="how long the injected GPU sleep lasts")
     parser.add_argument("--stuck-after", type=float, default=2.0)
     args = parser.parse_args()
+    if args.hung_gpu and not (args.nccl or args.nccl_only):
+        if not args.cpu_dry_run:
+            problem = _cuda_problem(False)
+            if problem:
+                print(f"hung-GPU scenario not run: {problem}", file=sys.stderr)
+                return 3
+        return gpu_hang.run(args)
     nccl = args.nccl or args.nccl_only or args.cpu_dry_run
     if nccl and args.stuck_after >= args.hang_seconds:
         parser.error("--stuck-after must be shorter than --hang-seconds, or the hang is never a verdict")
     code = 0 if args.nccl_only or args.cpu_dry_run else nvml_smoke(args)
     if nccl:
         code = code or nccl_smoke(args)
+    if args.hung_gpu:
+        code = code or gpu_hang.run(args)
     return code
 
 

@@ -116,14 +116,22 @@ class Members(Sequence[int]):
 
 
 # What a rank is doing, as the exporter judges it from its snapshot (Activity.state).
-ACTIVITY_IN_COLLECTIVE = "in_collective"  # the training thread waits in a torch.distributed call
+# The training thread waits in a torch.distributed call, or its own collective has been in flight longer than
+# its PG's normal wait (NCCL, async_op=True: the rank waits wherever it next synchronizes)
+ACTIVITY_IN_COLLECTIVE = "in_collective"
+# Its Python stands still on one line while its GPU has had work pending (recorder/cuda_probe.py): CUDA's spin
+# wait burns a core, so this rank looks busy by its CPU use, but it waits
+ACTIVITY_GPU_WAIT = "gpu_wait"
 ACTIVITY_BUSY = "busy"  # computing outside collectives
 ACTIVITY_IDLE = "idle"  # sleeping, or blocked in I/O, a queue or a lock
 ACTIVITY_WEDGED = "wedged"  # heartbeat stale, worker socket alive: its Python cannot sample itself
 ACTIVITY_GONE = "gone"  # heartbeat stale, socket dead
 ACTIVITY_UNKNOWN = "unknown"  # no stack (the rank is progressing, sampling off, an older recorder) or one CPU sample
-ACTIVITY_STATES = (ACTIVITY_IN_COLLECTIVE, ACTIVITY_BUSY, ACTIVITY_IDLE, ACTIVITY_WEDGED, ACTIVITY_GONE,
-                   ACTIVITY_UNKNOWN)
+ACTIVITY_STATES = (ACTIVITY_IN_COLLECTIVE, ACTIVITY_GPU_WAIT, ACTIVITY_BUSY, ACTIVITY_IDLE, ACTIVITY_WEDGED,
+                   ACTIVITY_GONE, ACTIVITY_UNKNOWN)
+# Waiting, whatever the CPU use says: these end the busy hold at once (a healthy GPU rank spins at 100 % CPU, so
+# it was busy right before it hung).
+ACTIVITY_WAITING = (ACTIVITY_IN_COLLECTIVE, ACTIVITY_GPU_WAIT)
 # A rank seen busy this recently still counts as busy when judging patience (the node verdict, analyze and
 # FrexporterCollectiveDesync's max_over_time(...[1m]), which tests/test_rules.py holds to this): a rank whose
 # CPU use hovers at the busy line would otherwise flip between the busy ceiling and the learned threshold.
@@ -152,8 +160,12 @@ class Activity:
     last_busy: float | None = None  # unix seconds the rank was last seen busy (now, while it is)
 
     def held_busy(self, now: float) -> bool:
-        """Busy, or busy within BUSY_HOLD_SECONDS: a wait on this rank gets the --stuck-after patience."""
-        return self.state == ACTIVITY_BUSY or (self.last_busy is not None and now - self.last_busy <= BUSY_HOLD_SECONDS)
+        """Busy, or busy within BUSY_HOLD_SECONDS and not waiting now (ACTIVITY_WAITING): a wait on this rank
+        gets the --stuck-after patience."""
+        if self.state == ACTIVITY_BUSY:
+            return True
+        return (self.state not in ACTIVITY_WAITING and self.last_busy is not None
+                and now - self.last_busy <= BUSY_HOLD_SECONDS)
 
     def to_json(self) -> dict[str, Any]:
         return {"state": self.state,
@@ -167,6 +179,15 @@ class Activity:
             if not is_library_file(frame[1]):
                 return frame
         return self.frames[0] if self.frames else None
+
+
+# The innermost frame's file under these paths: the training thread is in a torch.distributed call.
+_DISTRIBUTED_PATHS = ("/torch/distributed/", "/torch/_C/_distributed")
+
+
+def in_distributed(frames: tuple[Frame, ...]) -> bool:
+    """The innermost frame is torch.distributed's: the training thread is inside a collective call."""
+    return bool(frames) and any(p in frames[0][1].replace("\\", "/") for p in _DISTRIBUTED_PATHS)
 
 
 def is_library_file(path: str) -> bool:
@@ -233,6 +254,9 @@ class PGState:
     # The ceiling of that threshold (--stuck-after): what a wait on a culprit that is busy computing gets
     # (docs/detection.md, "Activity decides patience"); None where no exporter set one.
     stuck_ceiling_seconds: float | None = None
+    # The PG's normal wait (the quantile the threshold multiplies); None before enough history. A rank whose own
+    # collective has been in flight longer than this waits in it, wherever its Python stands (rank_activity).
+    normal_wait_seconds: float | None = None
 
     @property
     def size(self) -> int:

@@ -100,4 +100,5 @@ STARTING_MANIFEST = "starting_manifest"  # the starting manifest (before any pro
 SPOOL_RECREATE = "spool_recreate"  # the spool directory was removed and publishing in a new one failed
 WORKER_SERVER = "worker_server"  # torch's worker server could not be started
 STACK_SAMPLE = "stack_sample"  # sampling the training thread's stack failed
+CUDA_PROBE = "cuda_probe"  # asking CUDA whether the rank's GPU has work pending failed, hung or answered garbage
 LAUNCHER_ENV = "launcher_env"  # a launcher variable (RANK, SLURM_NTASKS, ...) not an integer, too long or not UTF-8

@@ -30,7 +30,8 @@ SLOWDOWN_REASONS: tuple[tuple[str, int], ...] = (
 )
 
 
-def _by_uuid(gpus: Any) -> dict[str, Any]:
+def by_uuid(gpus: Any) -> dict[str, Any]:
+    """A GPU reading's GPUs by UUID (how ranks name theirs)."""
     return {g.uuid: g for g in getattr(gpus, "gpus", ()) or () if getattr(g, "uuid", "")}
 
 
@@ -84,13 +85,13 @@ def gpu_facts(job_id: str, culprits: Iterable[int], waiting: Iterable[int], rank
     keep computing between waits, so their load says nothing and the culprit's clock slowdowns do instead.
     """
     slowdown = not hang
-    by_uuid = _by_uuid(gpus)
-    if not by_uuid:
+    gpus_by_uuid = by_uuid(gpus)
+    if not gpus_by_uuid:
         return "", {}
 
     def gpu_of(rank: int) -> Any:
         state = ranks.get((job_id, rank))
-        return by_uuid.get(state.gpu_uuid) if state is not None and state.gpu_uuid else None
+        return gpus_by_uuid.get(state.gpu_uuid) if state is not None and state.gpu_uuid else None
 
     details: dict[str, Any] = {"culprits": {}, "waiting": {}}
     phrases = []

@@ -453,7 +453,7 @@ def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | Non
     verdicts += find_absent(states.values(), now, config.stuck_after)
     if gpus is not None:
         verdicts = [_with_gpu_facts(v, states, gpus) for v in verdicts]
-    verdicts = [with_activity(v, states, now) for v in verdicts]
+    verdicts = [with_activity(v, states, now, gpus) for v in verdicts]
     return tuple(sorted(verdicts, key=verdict_sort_key))
 
 

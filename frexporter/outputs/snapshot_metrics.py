@@ -10,7 +10,7 @@ from prometheus_client.utils import floatToGoString
 
 from frexporter import __version__
 from frexporter import naming as n
-from frexporter.model import DURATION_BUCKETS, UNKNOWN_ACTIVITY, NodeSnapshot, PGState, RankState
+from frexporter.model import ACTIVITY_STATES, DURATION_BUCKETS, UNKNOWN_ACTIVITY, NodeSnapshot, PGState, RankState
 
 _LE = tuple(floatToGoString(b) for b in DURATION_BUCKETS)
 
@@ -99,7 +99,7 @@ class SnapshotCollector(Collector):
                                          labels=[*n.RANK_LABELS, n.L_REASON])
         activity = GaugeMetricFamily(n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS,
                                      "Unix time the rank's current activity began; `state` is what it is doing "
-                                     "(in_collective, busy, idle, wedged, gone, unknown).",
+                                     f"({', '.join(ACTIVITY_STATES)}).",
                                      labels=list(n.RANK_ACTIVITY_LABELS))
         world = GaugeMetricFamily(n.JOB_WORLD_SIZE, "Ranks in the job, as its ranks on this node state it (the "
                                   "largest); absent before any of them knows.", labels=list(n.JOB_LABELS))

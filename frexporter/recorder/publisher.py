@@ -21,7 +21,7 @@ from typing import Any
 
 from frexporter import reasons, safetext, spool
 from frexporter.model import STATE_EXITING, STATE_RUNNING, STATE_STARTING, STATE_STOPPED
-from frexporter.recorder import torch_fr
+from frexporter.recorder import cuda_probe, torch_fr
 
 log = logging.getLogger("frexporter.recorder")
 
@@ -88,6 +88,9 @@ class Publisher:
         self._last_starting = 0.0
         self._sample_stack = (stack_sampler(threading.main_thread().ident, self._count_error)
                               if stacks_enabled(os.environ) else _no_stack)
+        # Asked only while the stack stands still (recorder/cuda_probe.py): is the rank waiting on its GPU?
+        self._gpu = cuda_probe.CudaProbe(self._count_error)
+        self._gpu_uuid_known = False  # the manifest names the rank's GPU (known once the rank touched CUDA)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -146,6 +149,7 @@ class Publisher:
                 self._map.close()  # a snapshot still under way finds its mapping gone and writes nothing
             finally:
                 self._write_lock.release()
+        self._gpu.close()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 self._server.shutdown()
@@ -228,7 +232,7 @@ class Publisher:
             # Destroyed: no snapshots until a new init, whose table is then described anew.
             self._pg_count, self._snapshot = 0, None
             return
-        if count != self._pg_count:
+        if count != self._pg_count or self._learn_gpu_uuid():
             self._pg_count = count
             self._write_manifest()
         assert self._status is not None
@@ -258,14 +262,26 @@ class Publisher:
         dumpers = self._status.dumpers
         dump = dumpers[0] if len(dumpers) == 1 else None
         read = self._status.read
-        stack, cpu_ns = self._sample_stack, time.process_time_ns
+        stack, cpu_ns, gpu = self._sample_stack, time.process_time_ns, self._gpu.sample
+        cuda, cuda_ready, gpu_known = cuda_probe.torch_cuda, cuda_probe.cuda_ready, self._gpu_uuid_known
 
         # The stack is sampled only when torch's status is what it was at the previous snapshot: no collective
         # was enqueued or completed since, so this rank may be one the others wait for (computing, waiting, or
         # blocked in a collective itself). A rank that progresses is nobody's culprit, and training pays
         # nothing for its stack: one comparison of bytes. The first snapshot of a binding samples (the one before
         # it, written whole, did too): a rank parked since then keeps a stack in every snapshot.
+        # The GPU probe is asked only when a stack was sampled: frozen when it is the previous sample's.
         last: list[Any] = [None]
+        last_stack = [b""]
+
+        def gpu_wait(frames: bytes) -> bytes:
+            if frames:
+                frozen, last_stack[0] = frames == last_stack[0], frames
+                return gpu(frozen)
+            if last_stack[0]:
+                last_stack[0] = b""
+                return gpu(False)
+            return b""
 
         def snapshot() -> bool:
             if len(names) != count:
@@ -275,18 +291,21 @@ class Publisher:
                 raw = dump(False)  # includeCollectives=False: pg_status and pg_config only
                 if raw[:1] != b"{" or raw[-1:] != b"}":
                     raw = checked(raw)
-                payload = fmt % (n, time_ns(), cpu_ns(), stack() if raw == last[0] or last[0] is None else b"", raw)
+                frames = stack() if raw == last[0] or last[0] is None else b""
+                payload = fmt % (n, time_ns(), cpu_ns(), frames, gpu_wait(frames), raw)
                 last[0] = raw
             else:
                 raws = read()
-                payload = fmt % (n, time_ns(), cpu_ns(), stack() if raws == last[0] or last[0] is None else b"", *raws)
+                frames = stack() if raws == last[0] or last[0] is None else b""
+                payload = fmt % (n, time_ns(), cpu_ns(), frames, gpu_wait(frames), *raws)
                 last[0] = raws
             with lock:
                 if not update(payload):  # also after stop(): it closes the map under this lock
                     return False
                 self._counter = n
-            if n % PG_TABLE_CHECK_EVERY == 0 and world.pg_names is not names:
-                self._snapshot = None  # torch 2.13 clears its table; a version may replace it
+            if n % PG_TABLE_CHECK_EVERY == 0 and (world.pg_names is not names
+                                                  or (not gpu_known and cuda_ready(cuda()))):
+                self._snapshot = None  # torch 2.13 clears its table; a version may replace it; the GPU to name
             if n % SPOOL_CHECK_EVERY == 0:
                 self._check_spool()
             return True
@@ -353,7 +372,7 @@ class Publisher:
             "start_time": self.start_time,
             "torch_version": str(torch.__version__),
             "backends": [],
-            "gpu_uuid": torch_fr.gpu_uuid(),
+            "gpu_uuid": "",  # _learn_gpu_uuid, once the rank has touched its GPU
             "socket": sock_name,
             "handlers": list(torch_fr.handler_names()),
             "recorders": [],  # _write_manifest: the ones its process groups use, with the reader for them
@@ -364,6 +383,26 @@ class Publisher:
             self._manifest["launcher"] = self._launcher
         self._world = torch_fr.world()  # last: set means identified
         self._pg_names = self._world.pg_names
+
+    def _learn_gpu_uuid(self) -> bool:
+        """True when the manifest has just learned the UUID of the rank's GPU (to be written again)."""
+        if self._gpu_uuid_known or self._manifest is None:
+            return False
+        cuda = cuda_probe.torch_cuda()
+        if not cuda_probe.cuda_ready(cuda):
+            return False
+        self._gpu_uuid_known = True  # asked once: a failure is counted, not retried every snapshot
+        try:
+            device = cuda_probe.rank_device(cuda, os.environ)
+            uuid = cuda_probe.device_uuid(cuda, device) if device is not None else ""
+        except Exception as e:
+            self._count_error(reasons.CUDA_PROBE, e)
+            return False
+        if device is None:
+            self._gpu_uuid_known = False  # initialized, but no memory on a device yet: ask again later
+            return False
+        self._manifest["gpu_uuid"] = safetext.from_environment(uuid)[:spool.MAX_FRAME_TEXT_CHARS]
+        return True
 
     def _write_manifest(self) -> None:
         assert self._manifest is not None
@@ -395,7 +434,8 @@ class Publisher:
             fmt = self._snapshot_format(state, message, len(status))
             if state == STATE_RUNNING:
                 self._format = fmt
-        self._map.write(fmt % (self._counter, time.time_ns(), time.process_time_ns(), self._sample_stack(), *status))
+        self._map.write(fmt % (self._counter, time.time_ns(), time.process_time_ns(), self._sample_stack(), b"",
+                               *status))
 
     def _snapshot_format(self, state: str, message: str, slots: int) -> bytes:
         head = json.dumps({
@@ -406,9 +446,10 @@ class Publisher:
         body = b",".join(json.dumps(recorder).encode().replace(b"%", b"%%") + b":%s"
                          for recorder in recorders[:slots])
         # The time as integer nanoseconds with a JSON exponent: integer formatting is cheaper cold than a float's.
-        # "cpu": the process's CPU seconds so far; "stack": the training thread's frames (stack_sampler).
+        # "cpu": the process's CPU seconds so far; "stack": the training thread's frames (stack_sampler);
+        # "gpu_wait": [device, milliseconds] while that stack stands still with work pending on the rank's GPU.
         return head[:-1].replace(b"%", b"%%") + (b',"counter":%%d,"time":%%de-9,"cpu":%%de-9,"stack":[%%s],'
-                                                 b'"status":{%s}}' % body)
+                                                 b'"gpu_wait":[%%s],"status":{%s}}' % body)
 
     def _path(self, suffix: str) -> str:
         return os.path.join(self.directory, self._stem + suffix)

@@ -179,16 +179,3 @@ def pg_table() -> list[dict[str, Any]]:
             }
         )
     return groups
-
-
-def gpu_uuid() -> str:
-    import torch
-
-    try:
-        if not torch.cuda.is_available():
-            return ""
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        uuid = str(getattr(props, "uuid", ""))
-        return uuid if uuid.startswith("GPU-") or not uuid else f"GPU-{uuid}"
-    except Exception:
-        return ""

@@ -72,6 +72,13 @@ class ThresholdLearner:
         window.append(seconds)
         self._cache.pop(key, None)
 
+    def normal_wait(self, key: PGKey) -> float | None:
+        """The PG's normal wait (the learned quantile of its samples); None until ``min_samples`` were seen."""
+        usable = [s for s in self._samples.get(key, ()) if math.isfinite(s) and s >= 0.0]
+        if len(usable) < max(1, self.config.min_samples):
+            return None
+        return quantile(usable, self.config.quantile)
+
     def threshold(self, key: PGKey) -> float:
         found = self._cache.get(key)
         if found is None:

@@ -14,7 +14,6 @@ from frexporter.spool.layout import INT_MAX, INT_MIN, MANIFEST_FORMAT, SNAPSHOT_
 from frexporter.spool.limits import (
     MAX_ERROR_KIND_CHARS,
     MAX_ERROR_KINDS,
-    MAX_FRAME_TEXT_CHARS,
     MAX_LAUNCHER_FIELDS,
     MAX_MANIFEST_MEMBERS,
     MAX_MESSAGE_CHARS,
@@ -24,9 +23,9 @@ from frexporter.spool.limits import (
     MAX_RANK,
     MAX_RECORDERS,
     MAX_SNAPSHOT_BYTES,
-    MAX_STACK_FRAMES,
     MAX_TEXT_CHARS,
 )
+from frexporter.spool.snapshot_fields import parse_gpu_wait, parse_stack
 
 # ---------------------------------------------------------------- typed views
 
@@ -169,31 +168,10 @@ class Snapshot:
     # were dropped as malformed (``problems``).
     cpu: float | None = None
     stack: tuple[tuple[str, str, int], ...] = ()
+    # (CUDA device index as the rank numbers them, seconds) while the recorder found that stack standing still
+    # with work pending on the rank's GPU (recorder/cuda_probe.py); None otherwise.
+    gpu_wait: tuple[int, float] | None = None
     problems: tuple[tuple[str, str], ...] = ()  # (reason, message) of each optional field dropped
-
-
-def parse_stack(raw: Any, what: str) -> tuple[tuple[tuple[str, str, int], ...], tuple[tuple[str, str], ...]]:
-    """A snapshot's ``stack``, leniently: a malformed stack is dropped whole and reported as (reason, message),
-    never failing the snapshot (a stack must not cost a rank its other metrics)."""
-    if raw is None:
-        return (), ()
-    if not isinstance(raw, list):
-        return (), ((reasons.SNAPSHOT_FIELD_INVALID, f"{what}: stack is not a list; dropped"),)
-    if len(raw) > MAX_STACK_FRAMES:
-        return (), ((reasons.LIMIT_ITEMS, f"{what}: stack has {len(raw)} frames, over the bound of {MAX_STACK_FRAMES}; "
-                                          "dropped"),)
-    out = []
-    for i, frame in enumerate(raw):
-        if (not isinstance(frame, list) or len(frame) != 3 or not isinstance(frame[0], str)
-                or not isinstance(frame[1], str) or type(frame[2]) is not int or not 0 <= frame[2] <= INT_MAX):
-            return (), ((reasons.SNAPSHOT_FIELD_INVALID, f"{what}: stack[{i}] is not [function, file, line]; dropped"),)
-        if len(frame[0]) > MAX_FRAME_TEXT_CHARS or len(frame[1]) > MAX_FRAME_TEXT_CHARS:
-            return (), ((reasons.LIMIT_TEXT, f"{what}: stack[{i}] has a string over the bound of "
-                                             f"{MAX_FRAME_TEXT_CHARS} characters; dropped"),)
-        if not safetext.is_valid(frame[0]) or not safetext.is_valid(frame[1]):
-            return (), ((reasons.SNAPSHOT_FIELD_INVALID, f"{what}: stack[{i}] is not UTF-8; dropped"),)
-        out.append((frame[0], frame[1], frame[2]))
-    return tuple(out), ()
 
 
 class _Fields:
@@ -437,6 +415,8 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
             cpu = None
     stack, stack_problems = parse_stack(obj.get("stack"), what)
     problems.extend(stack_problems)
+    gpu_wait, gpu_problems = parse_gpu_wait(obj.get("gpu_wait"), what)
+    problems.extend(gpu_problems)
     return Snapshot(
         pid=f.int_field("pid"),
         time=f.num("time"),
@@ -448,5 +428,6 @@ def parse_snapshot(obj: Any, what: str = "snapshot") -> Snapshot:
         message=f.text_field("message", "", limit=MAX_SNAPSHOT_BYTES)[:MAX_MESSAGE_CHARS],
         cpu=cpu,
         stack=stack,
+        gpu_wait=gpu_wait,
         problems=tuple(problems),
     )

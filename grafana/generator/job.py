@@ -175,7 +175,8 @@ def _verdicts_and_alerts(b: Board) -> None:
         "Open verdicts",
         "One row per culprit rank: kind (missing_rank, mismatch, stalled, rank_down, rank_unresponsive, straggler), "
         "the process group and the collective (op, seq), the function the rank is in, and what it is doing now and "
-        "for how long: in_collective (waiting in another collective), busy (computing: FrexporterCollectiveDesync "
+        "for how long: in_collective (waiting in another collective), gpu_wait (waiting on its GPU: a hung kernel "
+        "is paged at the learned threshold), busy (computing: FrexporterCollectiveDesync "
         "waits for the ceiling and fires as info), idle, wedged (Python stopped), gone (process dead), unknown. "
         "Click a rank or a process group to drill down; GET /api/v1/status on the exporter has the one-sentence "
         "summary.",

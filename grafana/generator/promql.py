@@ -13,6 +13,7 @@ from frexporter import naming as n
 from frexporter.model import (
     ACTIVITY_BUSY,
     ACTIVITY_GONE,
+    ACTIVITY_GPU_WAIT,
     ACTIVITY_IDLE,
     ACTIVITY_IN_COLLECTIVE,
     ACTIVITY_UNKNOWN,
@@ -92,14 +93,16 @@ def age(timestamp: str) -> str:
 # Each activity state (label `state` of frexporter_rank_activity_since_timestamp_seconds): a number, for panels
 # that draw the state as a value (PromQL values are numbers), and a colour. Red: a rank its peers may be
 # waiting on that is not working towards them; orange: computing (the desync rule holds it to the ceiling);
-# blue: waiting in a collective itself. On a disagreement between exporters the higher number is shown.
+# blue: waiting in a collective itself; purple: waiting on its own GPU (a hung kernel is a hang: no hold). On a
+# disagreement between exporters the higher number is shown.
 ACTIVITY_STYLE: dict[str, tuple[int, str]] = {
     ACTIVITY_UNKNOWN: (0, "gray"),
     ACTIVITY_IN_COLLECTIVE: (1, "blue"),
-    ACTIVITY_BUSY: (2, "orange"),
-    ACTIVITY_IDLE: (3, "light-red"),
-    ACTIVITY_WEDGED: (4, "red"),
-    ACTIVITY_GONE: (5, "dark-red"),
+    ACTIVITY_GPU_WAIT: (2, "purple"),
+    ACTIVITY_BUSY: (3, "orange"),
+    ACTIVITY_IDLE: (4, "light-red"),
+    ACTIVITY_WEDGED: (5, "red"),
+    ACTIVITY_GONE: (6, "dark-red"),
 }
 
 

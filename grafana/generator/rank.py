@@ -105,7 +105,9 @@ def _activity(b: Board) -> None:
     b.value(
         stat(mappings=ACTIVITY_MAPPING, no_value="not reported"),
         "Activity",
-        "What the rank is doing now: in_collective (waiting in a torch.distributed call), busy (computing outside "
+        "What the rank is doing now: in_collective (waiting in a torch.distributed call, or on its own collective in "
+        "flight past its group's normal wait: NCCL), gpu_wait (its Python stands on one line while its GPU has work "
+        "pending: CUDA's spin wait burns a core, but the rank waits), busy (computing outside "
         "collectives), idle (sleeping, blocked in I/O, a queue or a lock), wedged (its Python stopped answering), "
         "gone (its process is dead), unknown (no stack: the rank keeps completing collectives, or sampling is "
         "off). A culprit that is busy gets its peers' "

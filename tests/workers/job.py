@@ -346,6 +346,60 @@ elif scenario == "checkpoint_soak":
         step += 1
         if step == 1:
             ready()
+elif scenario in ("gpu_spin", "async_spin"):
+    # A busy steady state, as a healthy GPU rank is: each step the rank spins (CUDA's synchronization burns a
+    # core) for JOB_STEP_SECONDS, then an all_reduce. CUDA is faked at its boundary (this CPU build has none):
+    # torch.cuda says it is initialized with memory on device 0, and its default stream has work pending once
+    # the control file "gpu_hang" exists. Faults: "gpu_hang": rank JOB_VICTIM waits on its GPU as .item() does,
+    # spinning on one line; "async_hang" (two ranks): rank 0 issues its all_reduces with async_op=True and spins
+    # on work.is_completed() (how an NCCL rank waits: outside the collective call), and once it has, rank
+    # JOB_VICTIM stops joining.
+    import threading
+    from types import SimpleNamespace
+
+    threading.Thread(target=lambda: (idle(), os._exit(0)), daemon=True).start()
+    gpu_hang = os.path.join(control, "gpu_hang")
+    async_hang = os.path.join(control, "async_hang")
+
+    class FakeDefaultStream:
+        def query(self) -> bool:
+            return not os.path.exists(gpu_hang)
+
+    cuda = sys.modules["torch.cuda"]
+    cuda.is_initialized = lambda: True
+    cuda.device_count = lambda: 1
+    cuda.memory_reserved = lambda device=None: 1 << 20
+    cuda.default_stream = lambda device=None: FakeDefaultStream()
+    cuda.get_device_properties = lambda device: SimpleNamespace(uuid="GPU-00000000-fake-0000-0000-000000000000")
+    step_seconds = float(os.environ.get("JOB_STEP_SECONDS", "0.05"))
+
+    def spin(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end: pass  # noqa: E701 (one line: the stack stands still, as in a CUDA sync)
+
+    def wait_on_gpu() -> None:
+        while True: pass  # noqa: E701 (.item() behind a kernel that never ends)
+
+    first = True
+    while True:
+        spin(step_seconds)
+        if rank == victim and os.path.exists(gpu_hang):
+            ready("hung")
+            wait_on_gpu()
+        if rank == victim and os.path.exists(os.path.join(control, "rank0.async")):
+            ready("hung")  # rank 0 has gone async: from its next all_reduce on, it waits outside the call
+            idle()
+            os._exit(0)
+        t.fill_(1.0)
+        if rank == 0 and os.path.exists(async_hang):
+            ready("async")
+            work = dist.all_reduce(t, async_op=True)
+            while not work.is_completed(): pass  # noqa: E701 (an NCCL-style wait: outside the collective call)
+        else:
+            dist.all_reduce(t)
+        if first:
+            ready()
+            first = False
 else:
     raise SystemExit(f"unknown scenario {scenario}")
 

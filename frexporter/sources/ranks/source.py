@@ -97,7 +97,8 @@ class RanksSource:
             frames, source = track.stack_frames, FRAMES_PYSPY
         track.activity = rank_activity.next_activity(
             track.activity, status, frames, track.cpu_percent, any(pg.inflight_count > 0 for pg in pgs), now,
-            source)
+            source, own_wait=rank_activity.own_collective_wait(pgs, now),
+            gpu_wait=snap.gpu_wait[1] if snap is not None and snap.gpu_wait is not None else None)
         return liveness.rank_state(m, snap, status, track.socket_alive, pgs, track.deep_time, track.activity, now)
 
     def _pg_states(self, track: RankTrack, raw: pg_state.Statuses, now: float, mono: float) -> tuple[PGState, ...]:
@@ -114,7 +115,8 @@ class RanksSource:
             for seconds in samples:
                 self._thresholds.observe(key, seconds)
             state = replace(state, stuck_threshold_seconds=self._thresholds.threshold(key),
-                            stuck_ceiling_seconds=self._thresholds.config.ceiling)
+                            stuck_ceiling_seconds=self._thresholds.config.ceiling,
+                            normal_wait_seconds=self._thresholds.normal_wait(key))
             lateness = self._feed.lateness(track, recorder, name)
             if lateness is not None:
                 state = replace(state, lateness_seconds=lateness[0], lateness_samples=lateness[1])
