@@ -15,7 +15,8 @@ Two engines:
 Run by hand: ``python -m benchmarks.fuzz --cases 100000 [--engine hypothesis|atheris|both] [--target NAME]``.
 Every (engine, target) runs in its own subprocess with a wall-clock limit, so a parser that hangs inside
 C code (where no Python signal handler can run) is reported as a hang instead of stalling the run.
-``tests/test_fuzz_slice.py`` runs a short deterministic hypothesis slice of the same targets in CI.
+``tests/unit/test_fuzz_slice.py`` and ``tests/e2e/test_fuzz_slice.py`` run a short deterministic hypothesis
+slice of the same targets in CI.
 """
 
 from __future__ import annotations
@@ -341,7 +342,7 @@ def text_seeds(doc: dict[str, Any]) -> list[bytes]:
 #
 # Documents with one list or string at a parser's bound (``over=0``: accepted) or one past it (``over=1``:
 # refused with a spool.LIMIT_REASONS reason). Each is cheap enough for the per-case CPU budget, except a
-# dump at MAX_ENTRIES (tests/test_spool_bounds.py has it): only one past that bound is generated.
+# dump at MAX_ENTRIES (tests/e2e/test_spool_bounds.py has it): only one past that bound is generated.
 
 
 def _with_pg0(doc: dict[str, Any], **fields: Any) -> dict[str, Any]:

@@ -48,7 +48,7 @@ SCRAPE_JOB = "frexporter"  # FrexporterExporterDown selects exporters by a job n
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 HTTP_TIMEOUT_S = 5.0
-# The child route of docs/detection.md ("Routing busy culprits"; tests/test_busy_routing.py checks that the
+# The child route of docs/detection.md ("Routing busy culprits"; tests/unit/test_busy_routing.py checks that the
 # docs show these routes): a desync whose culprit computes (a checkpoint) is held, not paged.
 HOLD_RECEIVER = "hold"
 PAGE_RECEIVER = "page"
@@ -324,6 +324,6 @@ def promstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromStack]:
         binaries()
     except MissingTool as e:
         missing(str(e))
-    # Two ports: a job split over two nodes is two exporters feeding one Prometheus (tests/test_two_exporters.py).
+    # Two ports: a job split over two nodes is two exporters feeding one Prometheus (tests/e2e/test_two_exporters.py).
     with running_stack(tmp_path_factory.mktemp("promstack"), exporters=2) as stack:
         yield stack

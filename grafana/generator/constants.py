@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 OUT_DIR = REPO / "grafana"
 TAGS = ["frexporter"]
 # Where an alert's runbook lives, relative to the repository root: the canonical rules' runbook_url says the
-# same (tests/test_dashboards.py checks). The Active alerts table links to it under the dashboard variable
+# same (tests/unit/test_dashboards.py checks). The Active alerts table links to it under the dashboard variable
 # below, which the Helm chart fills from prometheusRule.runbookBaseURL; frexporter has no address of its own.
 RUNBOOK_PATH = "docs/runbooks/{}.md"
 V_RUNBOOK_BASE = "runbook_base"

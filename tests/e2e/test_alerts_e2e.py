@@ -18,8 +18,6 @@ from tests.harness import Job, wait_for
 from tests.promstack import INTERVAL_S, SCALE, Notification, PromStack
 from tests.rulefile import load_rules, parse_duration
 
-pytestmark = pytest.mark.e2e
-
 DESYNC = "FrexporterCollectiveDesync"
 DESYNC_CULPRITS = "job_id_pg_rank:frexporter_pg_last_enqueued_seq:desync_culprits"
 RANK_DOWN = "FrexporterRankDown"

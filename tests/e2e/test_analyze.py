@@ -14,10 +14,8 @@ import pytest
 from frexporter.postmortem import dumpfiles
 from tests.harness import REPO, free_port
 
-pytestmark = pytest.mark.e2e
-
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-DUMPER = Path(__file__).parent / "workers" / "dumper.py"
+DUMPER = REPO / "tests" / "workers" / "dumper.py"
 
 
 def analyze(*args: str) -> subprocess.CompletedProcess[str]:

@@ -2,38 +2,24 @@
 
 The docs' block passes amtool and routes as described; the e2e stack (tests/promstack.py, ``hold_busy``) uses
 the same route tree, and a real Alertmanager delivers by it.
+
+Its unit tests are in tests/unit/test_busy_routing.py.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
-import yaml
-
 from tests.harness import missing, require_tool, wait_for
-from tests.promstack import HOLD_BUSY_ROUTES, HOLD_RECEIVER, PAGE_RECEIVER, MissingTool, binaries, running_stack
+from tests.promstack import HOLD_RECEIVER, PAGE_RECEIVER, MissingTool, binaries, running_stack
+from tests.shared.busy_routing import doc_block
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "detection.md"
 DESYNC = "FrexporterCollectiveDesync"
-
-
-def _doc_block() -> str:
-    match = re.search(r"<!-- check: busy-routing -->\n```yaml\n(.*?)\n```", DOCS.read_text(), re.S)
-    assert match, "docs/detection.md has no block marked busy-routing"
-    return match.group(1)
-
-
-def test_docs_show_the_stacks_route_tree() -> None:
-    route = yaml.safe_load(_doc_block())["route"]
-    assert route["receiver"] == PAGE_RECEIVER
-    assert route["routes"] == HOLD_BUSY_ROUTES
 
 
 def _route(config: Path, *labels: str) -> subprocess.CompletedProcess[str]:
@@ -42,10 +28,9 @@ def _route(config: Path, *labels: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.e2e
 def test_docs_routing_passes_amtool_and_holds_only_busy_culprits(tmp_path: Path) -> None:
     config = tmp_path / "alertmanager.yml"
-    config.write_text(_doc_block())
+    config.write_text(doc_block())
     amtool = require_tool("amtool", "Debian: prometheus-alertmanager")
     out = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -69,7 +54,6 @@ def _post_alert(am_url: str, labels: dict[str, str]) -> None:
         assert resp.status == 200
 
 
-@pytest.mark.e2e
 def test_hold_busy_stack_delivers_busy_culprits_to_hold_and_pages_the_rest(tmp_path: Path) -> None:
     try:
         binaries()

@@ -17,8 +17,6 @@ from frexporter import naming as n
 from tests import spoolgen
 from tests.harness import REPO, WORKER, Job, free_port, metrics, sample, wait_for
 
-pytestmark = pytest.mark.e2e
-
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 

@@ -1,5 +1,7 @@
 """Routine deep reads are spaced by what they cost: a rank whose ring takes long to read (a slow node, a large
-Flight Recorder buffer) is read less often, so that those reads take at most a bounded share of its time."""
+Flight Recorder buffer) is read less often, so that those reads take at most a bounded share of its time.
+
+Its unit tests are in tests/unit/test_deep_read_spacing.py."""
 
 from __future__ import annotations
 
@@ -10,23 +12,10 @@ from typing import Any
 import pytest
 
 from frexporter import defaults
-from frexporter.sources.ranks import RanksConfig, routine_deep_interval
-from tests.test_collectives import Node, raw
+from tests.fakes.node import Node, raw
 
-# One poll per second of the node's clock; values move at every poll, so only the spacing rule decides.
 POLLS = 80
 SLOW_READ = 0.05  # seconds the fake worker server takes to answer: 25 s of spacing at the 0.2 % share
-
-
-def test_the_interval_is_the_configured_one_until_reads_are_slow() -> None:
-    config = RanksConfig("", deep_interval=15.0, deep_read_share=0.002)
-    assert routine_deep_interval(None, config) == 15.0  # never read yet
-    assert routine_deep_interval(0.025, config) == 15.0  # a full 2000-entry ring on a reference node
-    assert routine_deep_interval(0.09, config) == pytest.approx(45.0)  # the same ring on a slow VM
-    assert routine_deep_interval(0.5, config) == pytest.approx(250.0)  # a 20000-entry ring
-    assert routine_deep_interval(0.5, RanksConfig("", deep_interval=0.0)) == 0.0  # "whenever values move"
-    assert routine_deep_interval(0.5, RanksConfig("", deep_read_share=0.0)) == RanksConfig.deep_interval
-    assert RanksConfig.deep_read_share == defaults.DEEP_READ_SHARE
 
 
 def _reads_in(node: Node) -> list[int]:
@@ -39,7 +28,6 @@ def _reads_in(node: Node) -> list[int]:
     return counts
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("share", [defaults.DEEP_READ_SHARE, 0.0])
 def test_slow_reads_of_a_moving_rank_are_spaced_by_their_cost(tmp_path: Path, share: float) -> None:
     node = Node(tmp_path / "node", 1, deep_interval=1.0, deep_read_share=share)

@@ -3,12 +3,13 @@ make them, against a real `frexporter serve` on loopback.
 
 Fake ranks stand in for killed ones: a manifest and a snapshot that stop refreshing, and a socket file nobody
 listens on (a rank_down verdict), or a socket that answers pings and never answers a Flight Recorder read.
+
+Its unit tests are in tests/unit/test_evidence_attacks.py.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import selectors
 import shutil
@@ -27,23 +28,19 @@ import pytest
 from frexporter import naming as n
 from frexporter import spool
 from frexporter.analysis import Verdict
-from frexporter.model import NodeSnapshot
 from frexporter.outputs import evidence
 from frexporter.outputs.evidence import EvidenceConfig, EvidenceWriter, list_evidence
 from frexporter.outputs.verdict_events import (
     MAX_CAPTURES_PER_INTERVAL,
     MAX_PENDING_CAPTURES,
     VERDICT_LOG_BURST,
-    VerdictEvents,
 )
-from frexporter.ratelimit import LogLimiter
 from tests import spoolgen
 from tests.harness import REPO, free_port, metrics, sample, wait_for
+from tests.shared.evidence_attacks import OLD_NAME, verdict
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 DROPS = (evidence.REASON_QUEUE_FULL, evidence.REASON_RATE_LIMITED, evidence.REASON_RANK_REPEAT)
-# The name an exporter before this fix gave a lone rank_down bundle of rank 0 of job "job": predictable.
-OLD_NAME = "{ts}-rank_down-job---1"
 
 
 class Serve:
@@ -138,12 +135,6 @@ def old_dirs(root: Path, count: int, prefix: str = "old") -> None:
         os.utime(d, (1_000_000 + i, 1_000_000 + i))
 
 
-def verdict(rank: int = 0, kind: str = "rank_down", job_id: str = "job") -> Verdict:
-    return Verdict(kind=kind, job_id=job_id, pg="", pg_desc="", ranks=(rank,), waiting_ranks=(), seq=-1, op="",
-                   since=None, age_seconds=None, timeout_seconds=None, budget_used=None,
-                   summary=f"Rank {rank} is down")
-
-
 def bundles_under(root: Path) -> list[Path]:
     """Bundles with a regular verdict.json, in root or in a private frexporter-<uid> directory inside it."""
     found = []
@@ -157,7 +148,6 @@ def bundles_under(root: Path) -> list[Path]:
 # ---------------------------------------------------------------- the directory itself
 
 
-@pytest.mark.e2e
 def test_symlinked_evidence_dir_gets_nothing_created_or_deleted(tmp_path: Path) -> None:
     """The reported attack: <spool>/evidence a symlink to a directory of 40 old subdirectories, one killed rank."""
     outside = tmp_path / "outside"
@@ -174,7 +164,6 @@ def test_symlinked_evidence_dir_gets_nothing_created_or_deleted(tmp_path: Path) 
     assert (spool_dir / spool.EVIDENCE_DIRNAME).is_symlink()
 
 
-@pytest.mark.e2e
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory another user owns")
 @pytest.mark.parametrize("planted", ["evidence", "private"])
 def test_directory_planted_by_another_user_is_refused(tmp_path: Path, planted: str) -> None:
@@ -201,7 +190,6 @@ def test_directory_planted_by_another_user_is_refused(tmp_path: Path, planted: s
     assert tree(ev) == before
 
 
-@pytest.mark.e2e
 def test_a_directory_others_may_write_gets_a_private_one_inside(tmp_path: Path) -> None:
     """<spool>/evidence of ours but 2770 (as an older exporter made it in group mode): its mode stays, bundles go
     to a 0700 directory of ours inside it."""
@@ -223,7 +211,6 @@ def test_a_directory_others_may_write_gets_a_private_one_inside(tmp_path: Path) 
 # ---------------------------------------------------------------- planted files
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("mode", [0o700, 0o2770])
 def test_planted_verdict_symlink_in_a_guessable_bundle_is_not_followed(tmp_path: Path, mode: int) -> None:
     """The attacker fills the evidence directory with the bundle names the next minute would have used, each with
@@ -256,29 +243,9 @@ def test_planted_verdict_symlink_in_a_guessable_bundle_is_not_followed(tmp_path:
     assert stat.S_IMODE((bundle / evidence.VERDICT_FILE).stat().st_mode) == spool.FILE_MODE
 
 
-def test_a_guessed_bundle_name_is_not_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Second line of defence: were the random part guessed, mkdir on the planted name fails and nothing in it is
-    opened."""
-    target = tmp_path / "precious.txt"
-    target.write_text("precious")
-    ev = tmp_path / "evidence"
-    ev.mkdir(mode=0o700)
-    monkeypatch.setattr(evidence.secrets, "token_hex", lambda nbytes: "ab" * nbytes)
-    now = time.time()
-    for offset in range(-5, 60):
-        d = ev / (OLD_NAME.format(ts=time.strftime("%Y%m%dT%H%M%S", time.localtime(now + offset))) + "-abababab")
-        d.mkdir()
-        os.symlink(target, d / evidence.VERDICT_FILE)
-    writer = EvidenceWriter(EvidenceConfig(directory=str(ev)))
-    assert writer.capture(verdict(), (), str(tmp_path)) is None
-    assert writer.counts.totals() == {evidence.REASON_IO: 1} and "File exists" in writer.counts.last_error
-    assert target.read_text() == "precious"
-
-
 # ---------------------------------------------------------------- pruning
 
 
-@pytest.mark.e2e
 def test_pruning_removes_only_bundles_it_wrote(tmp_path: Path) -> None:
     """The evidence directory holds 20 genuine bundles (the cap), the 40 old subdirectories of the report, and
     forgeries: a marker with the right name and a wrong HMAC, a genuine marker copied under another name, an old
@@ -324,7 +291,6 @@ def test_pruning_removes_only_bundles_it_wrote(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- floods
 
 
-@pytest.mark.e2e
 def test_a_flood_of_stale_fake_ranks_is_bounded(tmp_path: Path) -> None:
     """5,000 fake ranks that all go down at once: the ranks source tracks MAX_RANKS_PER_NODE of them (the rest
     are refused and counted there), so that many verdicts; at most MAX_CAPTURES_PER_INTERVAL captures (each
@@ -413,7 +379,6 @@ class SilentRank:
             sock.close()
 
 
-@pytest.mark.e2e
 def test_captures_of_silent_ranks_are_queued_at_most_eight_and_do_not_hold_shutdown(tmp_path: Path) -> None:
     """40 wedged fake ranks whose sockets accept and never answer a read: each capture would take the socket
     timeout, so 40 queued captures would hold the exporter for minutes. At most MAX_PENDING_CAPTURES are queued
@@ -439,47 +404,9 @@ def test_captures_of_silent_ranks_are_queued_at_most_eight_and_do_not_hold_shutd
         silent.close()
 
 
-def test_one_capture_per_rank_per_interval(tmp_path: Path) -> None:
-    """A rank whose verdict clears and comes back (or changes kind) is captured once per LIMIT_INTERVAL."""
-    writer = EvidenceWriter(EvidenceConfig(directory=str(tmp_path / "evidence")))
-    events = VerdictEvents(str(tmp_path), writer)
-    try:
-        def poll(*verdicts: Verdict) -> None:
-            events(NodeSnapshot(time=time.time(), hostname="node-a", ranks=(), sources=(), verdicts=verdicts))
-            for future in list(events.captures):
-                future.result(timeout=30)
-
-        poll(verdict(0))
-        poll()
-        poll(verdict(0))
-        poll(verdict(0, kind="rank_unresponsive"))
-        poll(verdict(0, kind="rank_unresponsive"), verdict(1))
-        assert writer.written == 2  # rank 0 once, rank 1 once
-        assert writer.counts.totals() == {evidence.REASON_RANK_REPEAT: 2}
-        assert events.status().errors_total == {evidence.REASON_RANK_REPEAT: 2} and events.status().up
-    finally:
-        events.close()
-
-
-def test_log_lines_are_one_per_reason_per_interval_with_the_rest_counted(caplog: pytest.LogCaptureFixture) -> None:
-    logger = logging.getLogger("frexporter.test_evidence_attacks")
-    limiter = LogLimiter(logger, burst=1)
-    caplog.set_level(logging.INFO, logger=logger.name)
-    for i in range(500):
-        limiter.log(logging.WARNING, "socket_refused", "capture %d failed", i)
-        limiter.log(logging.WARNING, "queue_full", "capture %d dropped", i)
-    assert [r.getMessage() for r in caplog.records] == ["capture 0 failed", "capture 0 dropped"]
-    limiter.flush()  # the interval is not over: nothing to sum up yet
-    assert len(caplog.records) == 2
-    limiter.flush(force=True)
-    summaries = sorted(r.getMessage().split(" suppressed")[0] for r in caplog.records[2:])
-    assert summaries == ["499 more queue_full messages", "499 more socket_refused messages"]
-
-
 # ---------------------------------------------------------------- listing
 
 
-@pytest.mark.e2e
 def test_listing_follows_no_symlink(tmp_path: Path) -> None:
     """/api/v1/evidence: a symlinked evidence directory lists nothing; a symlinked bundle is not listed; a
     verdict.json that is a symlink (to a valid verdict elsewhere) is an error, not read."""
@@ -510,7 +437,6 @@ def test_listing_follows_no_symlink(tmp_path: Path) -> None:
             assert json.loads(resp.read()) == {"enabled": True, "bundles": []}
 
 
-@pytest.mark.e2e
 def test_one_capture_reads_sockets_for_at_most_its_deadline(tmp_path: Path) -> None:
     """A PG of 8 wedged ranks whose sockets never answer: the capture stops at its deadline, counts the reads it
     skipped, and still writes the bundle."""

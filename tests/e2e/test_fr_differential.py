@@ -6,6 +6,8 @@ case. fr_trace runs on the same dumps (one subprocess for all cases, its own loa
 tests never assert what fr_trace answers: where it is wrong (file order, unknown backends, cascades, rules
 its installed version gets wrong) asserting on it would pin a bug. Its answers feed the committed table
 ``docs/analyze-vs-fr_trace.md``, which must not drift from what the tools answer today.
+
+Its unit tests are in tests/unit/test_fr_differential.py.
 """
 
 from __future__ import annotations
@@ -15,20 +17,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from frexporter.analysis import history
-from frexporter.analysis.verdicts import LAGGING_RANK, MISMATCH_KIND, MISSING_RANK, PAST_MISMATCH
-from frexporter.postmortem import report
+from frexporter.analysis.verdicts import LAGGING_RANK, MISSING_RANK, PAST_MISMATCH
 from scripts import fr_compare
-from scripts.fr_compare import Answer, Comparison, Item
+from scripts.fr_compare import Comparison
 from tests import fr_cases
-from tests.fr_cases import Case, Expect
+from tests.fr_cases import Case
 from tests.harness import REPO
+from tests.shared.fr_differential import CASES, case_named
 
-CASES = fr_cases.all_cases()
 VERDICT_FIELDS = {"kind", "job_id", "pg", "pg_desc", "ranks", "waiting_ranks", "seq", "op", "since", "age_seconds",
                   "timeout_seconds", "budget_used", "summary", "details", "activity"}
 
@@ -38,7 +37,6 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> Comparison:
     return fr_compare.run_all(tmp_path_factory.mktemp("fr_cases"))
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_analyze_is_right(comparison: Comparison, case: Case) -> None:
     outcome = next(o for o in comparison.outcomes if o.case.id == case.id)
@@ -46,7 +44,6 @@ def test_analyze_is_right(comparison: Comparison, case: Case) -> None:
     assert outcome.analyze_right, f"truth: {truth}\nanalyze: {outcome.analyze.text()}"
 
 
-@pytest.mark.e2e
 def test_every_case_got_an_answer_from_fr_trace(comparison: Comparison) -> None:
     # Not what it answered (it is wrong in places, see the table), only that the differential ran at all.
     assert [o.case.id for o in comparison.outcomes] == [c.id for c in CASES]
@@ -55,13 +52,11 @@ def test_every_case_got_an_answer_from_fr_trace(comparison: Comparison) -> None:
     assert len(answered) > len(CASES) // 2, "fr_trace aborted on most cases: the runner is broken, not fr_trace"
 
 
-@pytest.mark.e2e
 def test_the_comparison_table_is_current(comparison: Comparison) -> None:
     problems = fr_compare.check(fr_compare.render(comparison))
     assert not problems, "\n".join(problems) + "\nrun: python scripts/fr_compare.py"
 
 
-@pytest.mark.e2e
 def test_the_check_reports_drift_and_a_missing_table(comparison: Comparison, tmp_path: Path) -> None:
     rendered = fr_compare.render(comparison)
     table = tmp_path / "table.md"
@@ -74,36 +69,14 @@ def test_the_check_reports_drift_and_a_missing_table(comparison: Comparison, tmp
     assert fr_compare.check(rendered, table) == []
 
 
-def test_scoring_demands_every_item_and_nothing_else() -> None:
-    truth = (Expect(MISSING_RANK, "0", 5, (3,)),)
-    right = Item(MISSING_RANK, "0", 5, (3,), "missing_rank")
-    assert fr_compare.is_right(truth, Answer((right,)))
-    assert not fr_compare.is_right(truth, Answer(()))
-    assert not fr_compare.is_right(truth, Answer((right, Item(MISSING_RANK, "0", 5, (2,), "missing_rank"))))
-    assert not fr_compare.is_right(truth, Answer((Item(MISSING_RANK, "0", 5, (2, 3), "missing_rank"),)))
-    assert not fr_compare.is_right(truth, Answer((right,), error="aborted"))
-    assert fr_compare.is_right((), Answer(()))
-    tie = (Expect(PAST_MISMATCH, "0", 1, (0, 1), among=True),)
-    assert fr_compare.is_right(tie, Answer((Item(PAST_MISMATCH, "0", 1, (1,), "past_mismatch"),)))
-    assert not fr_compare.is_right(tie, Answer((Item(PAST_MISMATCH, "0", 1, (2,), "past_mismatch"),)))
-    # fr_trace does not tell past from present, and says nothing about a stall.
-    seen = fr_compare.as_fr_trace_sees_it((*tie, Expect(fr_cases.STALLED, "1", 4, (0, 1))))
-    assert seen == [Expect(MISMATCH_KIND, "0", 1, (0, 1), among=True)]
-
-
-def _case(case_id: str) -> Case:
-    return next(c for c in CASES if c.id == case_id)
-
-
 def _analyze(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "frexporter", "analyze", str(directory), *args],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-@pytest.mark.e2e
 def test_text_shows_hangs_then_past_mismatches_then_lagging_ranks(tmp_path: Path) -> None:
     # A hang (rank 3 never joins #11), a lag (rank 3 still at #10) and a past mismatch (rank 1's #4 in half).
-    case = _case("hang/lagging-then-missing")
+    case = case_named("hang/lagging-then-missing")
     dumps = {rank: json.loads(json.dumps(d)) for rank, d in case.dumps.items()}
     dumps[1]["entries"][3]["output_dtypes"] = ["Half"]
     directory, _ = fr_compare.write_case(Case("mixed", "", "", dumps, ()), tmp_path)
@@ -127,9 +100,8 @@ def test_text_shows_hangs_then_past_mismatches_then_lagging_ranks(tmp_path: Path
     assert lag["age_seconds"] == pytest.approx(fr_cases.DUMP_TIME - (fr_cases.T0 + 90))
 
 
-@pytest.mark.e2e
 def test_bad_input_is_skipped_with_one_counted_line_per_file(tmp_path: Path) -> None:
-    case = _case("bad/odd-entries")
+    case = case_named("bad/odd-entries")
     directory, _ = fr_compare.write_case(Case("bad", "", "", case.dumps, (), unreadable={4: b"\x80\x04junk"}),
                                          tmp_path)
     (directory / "rank_5").write_text('{"version": "2.10", "entries": [1, 2, {"process_group": 7}]}')
@@ -142,61 +114,3 @@ def test_bad_input_is_skipped_with_one_counted_line_per_file(tmp_path: Path) -> 
     assert any("rank_5: 3 of 3 entries skipped" in line for line in skipped)
     assert "skipped 1 file and 4 entries; judged the rest:" in out.stdout
     assert "missing_rank: job dump, PG 0 (default_pg), all_reduce #5, culprit rank(s) 3" in out.stdout
-
-
-# --- the judgments the cases rely on, at their edges ----------------------------------------------------------
-
-
-def _verdicts(tmp_path: Path, dumps: dict[int, dict[str, Any]]) -> list[tuple[str, str, int, tuple[int, ...]]]:
-    directory, _ = fr_compare.write_case(Case("edge", "", "", dumps, ()), tmp_path)
-    return [(v.kind, v.pg, v.seq, v.ranks) for v in report.from_dir(str(directory), 0.0).verdicts]
-
-
-def _last_all_reduce(states: dict[int, str], at: float = 40.0, retired: dict[int, bool] | None = None,
-                     ) -> dict[int, dict[str, Any]]:
-    cfg = fr_cases.config([fr_cases.world(tuple(states))])
-    done = [fr_cases.event("all_reduce", s, ((8,),), at=s) for s in (1, 2)]
-    return {r: fr_cases.dump(r, [*done, fr_cases.event("all_reduce", 3, ((8,),), at=at, state=state,
-                                                       retired=None if retired is None else retired[r])], cfg)
-            for r, state in states.items()}
-
-
-def test_a_lag_needs_the_backend_to_have_seen_completion(tmp_path: Path) -> None:
-    lagging = {0: "completed", 1: "completed", 2: "scheduled"}
-    assert _verdicts(tmp_path / "nccl", _last_all_reduce(lagging)) == [(LAGGING_RANK, "0", 3, (2,))]
-    # gloo retires work a moment after the caller wakes and never says "completed": not a lag.
-    gloo = _last_all_reduce({0: "scheduled", 1: "scheduled", 2: "scheduled"}, retired={0: True, 1: True, 2: False})
-    assert _verdicts(tmp_path / "gloo", gloo) == []
-
-
-def test_a_lag_shorter_than_the_watchdog_can_notice_is_not_reported(tmp_path: Path) -> None:
-    seconds_before_dump = fr_cases.DUMP_TIME - fr_cases.T0
-    lagging = {0: "completed", 1: "scheduled"}
-    just_now = _last_all_reduce(lagging, at=seconds_before_dump - history.LAG_MIN_SECONDS / 2)
-    assert _verdicts(tmp_path / "fresh", just_now) == []
-    older = _last_all_reduce(lagging, at=seconds_before_dump - history.LAG_MIN_SECONDS * 2)
-    assert _verdicts(tmp_path / "old", older) == [(LAGGING_RANK, "0", 3, (1,))]
-
-
-def _p2p(op: str, p2p_seq: int, at: float, state: str) -> dict[str, Any]:
-    return fr_cases.event(op, 2, ((8,),), is_p2p=True, p2p_seq=p2p_seq, at=at, state=state)
-
-
-def test_a_pending_send_waits_only_for_a_peer_that_posted_nothing_since(tmp_path: Path) -> None:
-    base = [fr_cases.event("all_reduce", s, ((8,),), at=s) for s in (1, 2)]
-    send = _p2p("send 0->1", 1, 10, "scheduled")
-    never = fr_cases.pair([*base, send], base)
-    assert _verdicts(tmp_path / "never", never) == [(MISSING_RANK, "0", 1, (1,))]
-    # Both sides posted: the transfer itself is in flight, nobody is missing.
-    both = fr_cases.pair([*base, send], [*base, _p2p("recv 1<-0", 1, 10, "scheduled")])
-    assert _verdicts(tmp_path / "both", both) == []
-    # The peer's recv already completed: the send's completion was not recorded yet.
-    done = fr_cases.pair([*base, send], [*base, _p2p("recv 1<-0", 1, 11, "completed")])
-    assert _verdicts(tmp_path / "done", done) == []
-
-
-def test_same_named_groups_stay_apart_when_some_ranks_lack_a_pg_config(tmp_path: Path) -> None:
-    dumps = {r: json.loads(json.dumps(d)) for r, d in _case("hang/split-group").dumps.items()}
-    for rank in (2, 3):
-        dumps[rank]["pg_config"] = {"": {"name": "", "desc": "", "ranks": ""}}  # as gloo writes it (torch 2.8+)
-    assert _verdicts(tmp_path, dumps) == [(MISSING_RANK, "1", 3, (3,))]

@@ -5,6 +5,8 @@ into $FREXPORTER_TOOLS_DIR (default ~/.cache/frexporter-tools). Core objects are
 with ``kubernetes-validate --strict``; the Prometheus operator's objects (no schemas
 bundled there) with a structural schema of our own. A missing tool skips, unless
 FREXPORTER_REQUIRE_TOOLS=1 (CI), where it fails.
+
+Its unit tests are in tests/unit/test_helm.py.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import pytest
 import yaml
 
 from frexporter import defaults
-from tests.harness import missing, require_module, require_tool, tools_dir
+from tests.harness import REPO, missing, require_module, require_tool, tools_dir
+from tests.shared.helm import doc_block
 
-REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "frexporter"
 EXAMPLE = CHART / "examples" / "pytorchjob"
 RULES = REPO / "frexporter" / "rules" / "frexporter.rules.yml"
@@ -338,7 +340,6 @@ def canonical_rules() -> dict[str, Any]:
 # ---------------------------------------------------------------- lint
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("values", [
     pytest.param({}, id="daemonset"),
     pytest.param({"mode": "sidecar"}, id="sidecar"),
@@ -354,7 +355,6 @@ def test_lint_strict(helm: str, tmp_path: Path, values: dict[str, Any]) -> None:
     assert "0 chart(s) failed" in out.stdout
 
 
-@pytest.mark.e2e
 def test_lint_strict_example(helm: str, tmp_path: Path) -> None:
     out = _run_helm(helm, "lint", "--strict", str(example_chart(tmp_path)))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -363,7 +363,6 @@ def test_lint_strict_example(helm: str, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- daemonset
 
 
-@pytest.mark.e2e
 def test_daemonset_defaults(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
     docs = render_valid(helm, jsonschema_mod, tmp_path)
     assert {d["kind"] for d in docs} == {"DaemonSet", "Service", "ServiceAccount"} | (
@@ -393,7 +392,6 @@ def test_daemonset_defaults(helm: str, jsonschema_mod: Any, tmp_path: Path) -> N
     assert not sc.get("privileged")
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize(("group_mode", "mode"), [(True, 0o2770), (False, 0o700)])
 def test_daemonset_prepare_spool_script_chowns(tmp_path: Path, helm: str, group_mode: bool, mode: int) -> None:
     """The init container's script, run here as it is rendered, on a directory of our own; the result
@@ -415,7 +413,6 @@ def test_daemonset_prepare_spool_script_chowns(tmp_path: Path, helm: str, group_
     assert spool.check_permissions(str(spool_dir), group=group_mode) == []
 
 
-@pytest.mark.e2e
 def test_daemonset_spool_group(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
     docs = render_valid(helm, jsonschema_mod, tmp_path, {
         "spool": {"gid": 2000}, "podSecurityContext": {"runAsNonRoot": True, "supplementalGroups": [7]}})
@@ -433,7 +430,6 @@ def test_daemonset_spool_group(helm: str, jsonschema_mod: Any, tmp_path: Path) -
     assert_exporter_container(named(pod["containers"], "frexporter"), group_mode=False)
 
 
-@pytest.mark.e2e
 def test_daemonset_options(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
     docs = render_valid(helm, jsonschema_mod, tmp_path, {
         "exporter": {"nvml": False, "pollInterval": 0.5, "stuckAfter": 30, "deepInterval": 60,
@@ -460,7 +456,6 @@ def test_daemonset_options(helm: str, jsonschema_mod: Any, tmp_path: Path) -> No
 # ---------------------------------------------------------------- sidecar
 
 
-@pytest.mark.e2e
 def test_sidecar_chart_renders_no_workload(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
     docs = render_valid(helm, jsonschema_mod, tmp_path, {"mode": "sidecar", **ALL_MONITORING})
     kinds = {d["kind"] for d in docs}
@@ -474,7 +469,6 @@ def test_sidecar_chart_renders_no_workload(helm: str, jsonschema_mod: Any, tmp_p
     assert podmonitor["spec"]["selector"]["matchLabels"] == {"frexporter.io/sidecar": "true"}
 
 
-@pytest.mark.e2e
 def test_sidecar_pytorchjob_example(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
     docs = render_valid(helm, jsonschema_mod, tmp_path, chart=example_chart(tmp_path))
     job = one(docs, "PyTorchJob")
@@ -512,7 +506,6 @@ def test_sidecar_pytorchjob_example(helm: str, jsonschema_mod: Any, tmp_path: Pa
         assert pod["securityContext"]["fsGroup"] == sidecar["securityContext"]["runAsGroup"]
 
 
-@pytest.mark.e2e
 def test_sidecar_job_id_from_annotation(helm: str, tmp_path: Path) -> None:
     root = example_chart(tmp_path)
     docs = render(helm, tmp_path, {"frexporter": {"recorder": {"jobIdAnnotation": "example.com/run"}}}, chart=root)
@@ -521,7 +514,6 @@ def test_sidecar_job_id_from_annotation(helm: str, tmp_path: Path) -> None:
     assert env_of(named(master["containers"], "pytorch"))["FREXPORTER_JOB_ID"] == want
 
 
-@pytest.mark.e2e
 def test_sidecar_template_refuses_daemonset_mode(helm: str, tmp_path: Path) -> None:
     err = render_error(helm, tmp_path, {"frexporter": {"mode": "daemonset"}}, chart=example_chart(tmp_path))
     assert "frexporter.sidecar: set mode: sidecar" in err
@@ -530,7 +522,6 @@ def test_sidecar_template_refuses_daemonset_mode(helm: str, tmp_path: Path) -> N
 # ---------------------------------------------------------------- monitoring
 
 
-@pytest.mark.e2e
 def test_monitors_select_the_exporters(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
     docs = render_valid(helm, jsonschema_mod, tmp_path, {
         **ALL_MONITORING,
@@ -564,13 +555,11 @@ def test_monitors_select_the_exporters(helm: str, jsonschema_mod: Any, tmp_path:
     assert keep == {"sourceLabels": ["__meta_kubernetes_pod_container_name"], "regex": "frexporter", "action": "keep"}
 
 
-@pytest.mark.e2e
 def test_service_monitor_needs_service(helm: str, tmp_path: Path) -> None:
     err = render_error(helm, tmp_path, {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}})
     assert "serviceMonitor.enabled needs service.enabled" in err
 
 
-@pytest.mark.e2e
 def test_monitoring_objects_are_toggles(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
     docs = render_valid(helm, jsonschema_mod, tmp_path, NO_MONITORING)
     assert {d["kind"] for d in docs} == {"DaemonSet", "ServiceAccount"}
@@ -579,7 +568,6 @@ def test_monitoring_objects_are_toggles(helm: str, jsonschema_mod: Any, tmp_path
         assert [d["kind"] for d in docs if d["kind"] in OPERATOR_KINDS] == [key[0].upper() + key[1:]]
 
 
-@pytest.mark.e2e
 def test_prometheus_rule_is_the_canonical_file(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
     docs = render_valid(helm, jsonschema_mod, tmp_path, {
         "prometheusRule": {"enabled": True, "additionalLabels": {"release": "kps"}, "namespace": "obs"}})
@@ -592,7 +580,6 @@ def test_prometheus_rule_is_the_canonical_file(helm: str, jsonschema_mod: Any, t
     assert len(rendered) > 10
 
 
-@pytest.mark.e2e
 def test_prometheus_rule_additional_rule_labels(helm: str, tmp_path: Path) -> None:
     docs = render(helm, tmp_path, {"prometheusRule": {
         "enabled": True, "additionalRuleLabels": {"team": "ml-infra", "severity": "ignored"}}})
@@ -615,14 +602,12 @@ def _alert_rules(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for g in groups for r in g["rules"] if "alert" in r]
 
 
-@pytest.mark.e2e
 def test_prometheus_rule_runbook_urls_default_to_repository_paths(helm: str, tmp_path: Path) -> None:
     alerts = _alert_rules(one(render(helm, tmp_path, ALL_MONITORING), "PrometheusRule")["spec"]["groups"])
     assert alerts and all(a["annotations"]["runbook_url"] == f"docs/runbooks/{a['alert']}.md" for a in alerts)
     assert all((REPO / a["annotations"]["runbook_url"]).is_file() for a in alerts)
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("base", [RUNBOOK_BASE, RUNBOOK_BASE + "/"])
 def test_prometheus_rule_runbook_base_url(helm: str, jsonschema_mod: Any, tmp_path: Path, base: str) -> None:
     docs = render_valid(helm, jsonschema_mod, tmp_path,
@@ -636,7 +621,6 @@ def test_prometheus_rule_runbook_base_url(helm: str, jsonschema_mod: Any, tmp_pa
     assert rendered == canonical
 
 
-@pytest.mark.e2e
 def test_prometheus_rule_keeps_an_absolute_runbook_url(helm: str, tmp_path: Path) -> None:
     chart = copy_chart(tmp_path / "frexporter")
     rules = chart / "files" / "frexporter.rules.yml"
@@ -649,7 +633,6 @@ def test_prometheus_rule_keeps_an_absolute_runbook_url(helm: str, tmp_path: Path
     assert urls["FrexporterRankUnresponsive"] == f"{RUNBOOK_BASE}/docs/runbooks/FrexporterRankUnresponsive.md"
 
 
-@pytest.mark.e2e
 def test_dashboards_follow_the_runbook_base_url(helm: str, tmp_path: Path) -> None:
     docs = render(helm, tmp_path, {"prometheusRule": {"runbookBaseURL": RUNBOOK_BASE + "/"}})
     data = {k: v for cm in by_kind(docs, "ConfigMap") for k, v in cm["data"].items()}
@@ -665,7 +648,6 @@ def test_dashboards_follow_the_runbook_base_url(helm: str, tmp_path: Path) -> No
     assert data and all(text == (REPO / "grafana" / key).read_text().rstrip("\n") for key, text in data.items())
 
 
-@pytest.mark.e2e
 def test_dashboards_none_without_files(helm: str, tmp_path: Path) -> None:
     chart = copy_chart(tmp_path / "frexporter")
     shutil.rmtree(chart / "files" / "dashboards", ignore_errors=True)
@@ -673,7 +655,6 @@ def test_dashboards_none_without_files(helm: str, tmp_path: Path) -> None:
     assert by_kind(docs, "ConfigMap") == []
 
 
-@pytest.mark.e2e
 def test_dashboards_one_configmap_each(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
     chart = copy_chart(tmp_path / "frexporter")
     dashboards = chart / "files" / "dashboards"
@@ -700,7 +681,6 @@ def test_dashboards_one_configmap_each(helm: str, jsonschema_mod: Any, tmp_path:
     assert by_kind(docs, "ConfigMap") == []
 
 
-@pytest.mark.e2e
 def test_repo_dashboards_are_rendered(helm: str, tmp_path: Path) -> None:
     sources = sorted(p.name for p in (REPO / "grafana").glob("*.json"))
     docs = render(helm, tmp_path)
@@ -713,7 +693,6 @@ def test_repo_dashboards_are_rendered(helm: str, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- values.schema.json
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize(("values", "message"), [
     ({"mode": "bogus"}, 'mode: mode must be one of the following: "daemonset", "sidecar"'),
     ({"service": {"port": "x"}}, "service.port: Invalid type. Expected: integer, given: string"),
@@ -740,7 +719,6 @@ def test_schema_rejects(helm: str, tmp_path: Path, values: dict[str, Any], messa
     assert out.returncode != 0 and message in out.stdout, out.stdout
 
 
-@pytest.mark.e2e
 def test_schema_accepts_parent_chart_globals(helm: str, tmp_path: Path) -> None:
     # A parent chart passes `global` down; the strict schema must let it through.
     render(helm, tmp_path, {"global": {"imageRegistry": "x"}})
@@ -749,7 +727,6 @@ def test_schema_accepts_parent_chart_globals(helm: str, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- NOTES.txt and packaging
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize(("values", "expected"), [
     ({}, ["daemonset mode", "give the training pods group 65532 (supplementalGroups or fsGroup)",
           "WARNING: prometheusRule.enabled is false"]),
@@ -771,7 +748,6 @@ def test_notes(helm: str, tmp_path: Path, values: dict[str, Any], expected: list
         assert line in text, text
 
 
-@pytest.mark.e2e
 def test_package_ships_rules_not_examples(helm: str, tmp_path: Path) -> None:
     out = _run_helm(helm, "package", str(CHART), "--destination", str(tmp_path))
     assert out.returncode == 0, out.stderr
@@ -789,13 +765,11 @@ def _sync(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SYNC), *args], capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.e2e
 def test_sync_check_passes_on_repo() -> None:
     out = _sync("--check")
     assert out.returncode == 0, f"chart copies drifted; run python scripts/sync_chart.py\n{out.stderr}"
 
 
-@pytest.mark.e2e
 def test_sync_check_detects_drift(tmp_path: Path) -> None:
     chart = copy_chart(tmp_path / "frexporter")
     rules = chart / "files" / "frexporter.rules.yml"
@@ -817,7 +791,6 @@ def test_sync_check_detects_drift(tmp_path: Path) -> None:
     assert _sync("--check", "--chart", str(chart)).returncode == 0
 
 
-@pytest.mark.e2e
 def test_sync_copies_dashboards(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     (repo / "frexporter" / "rules").mkdir(parents=True)
@@ -832,30 +805,11 @@ def test_sync_copies_dashboards(tmp_path: Path) -> None:
     assert _sync("--check", "--repo", str(repo)).returncode == 0
 
 
-# ---------------------------------------------------------------- docs/kubernetes.md
-
-DOCS = REPO / "docs" / "kubernetes.md"
-
-
-def doc_block(check: str) -> str:
-    """The fenced block right after ``<!-- check: NAME -->`` in docs/kubernetes.md."""
-    match = re.search(r"<!-- check: " + re.escape(check) + r" -->\n```[a-z]*\n(.*?)\n```", DOCS.read_text(), re.S)
-    assert match, f"docs/kubernetes.md has no block marked {check!r}"
-    return match.group(1)
-
-
-@pytest.mark.e2e
 def test_docs_pytorchjob_is_what_the_chart_renders(helm: str, tmp_path: Path) -> None:
     rendered = one(render(helm, tmp_path, chart=example_chart(tmp_path), release="llm"), "PyTorchJob")
     assert yaml.safe_load(doc_block("rendered-pytorchjob")) == rendered
 
 
-def test_docs_example_sources_match_the_example_chart() -> None:
-    assert doc_block("example-pod-template") in (EXAMPLE / "templates" / "_pod.tpl").read_text()
-    assert yaml.safe_load(doc_block("example-values")) == yaml.safe_load((EXAMPLE / "values.yaml").read_text())
-
-
-@pytest.mark.e2e
 def test_docs_daemonset_training_pod_is_valid(tmp_path: Path, jsonschema_mod: Any, helm: str) -> None:
     pod = yaml.safe_load(doc_block("pod"))
     validate_core(tmp_path, [pod])
@@ -877,7 +831,6 @@ def _tool(name: str) -> str:
     return require_tool(name, "Debian: prometheus / prometheus-alertmanager")
 
 
-@pytest.mark.e2e
 def test_docs_rules_pass_promtool(tmp_path: Path) -> None:
     path = tmp_path / "rules.yml"
     path.write_text(doc_block("rules"))
@@ -885,7 +838,6 @@ def test_docs_rules_pass_promtool(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.e2e
 def test_docs_alertmanager_config_passes_amtool(tmp_path: Path) -> None:
     path = tmp_path / "alertmanager.yml"
     path.write_text(doc_block("alertmanager"))

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from frexporter import naming as n
 from frexporter.model import RANK_DOWN, RANK_OK, RANK_UNRESPONSIVE
 from tests.harness import metrics, sample, wait_for
-
-pytestmark = pytest.mark.e2e
 
 
 def pg_values(exp, rank: int) -> dict[str, tuple[str, int, int, int]]:

@@ -14,8 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from frexporter import spool
 from tests import spoolgen
 from tests.harness import REPO, free_port, wait_for
@@ -33,7 +31,6 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-@pytest.mark.e2e
 def test_rank_strings_cannot_forge_or_break_log_lines(tmp_path: Path) -> None:
     pid = _dead_pid()
     groups = spoolgen.manifest(HOSTILE_JOB, 0)["process_groups"]

@@ -3,12 +3,8 @@ highlighted with its activity, the verdict shows the watchdog budget left, and t
 
 from __future__ import annotations
 
-import pytest
-
 from frexporter.outputs.api import PAGE_REFRESH_SECONDS
 from tests.harness import require_module, require_tool, wait_for
-
-pytestmark = pytest.mark.e2e
 
 
 def test_page_highlights_the_culprit_and_refreshes(job_factory, exporter_factory) -> None:

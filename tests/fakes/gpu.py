@@ -8,6 +8,7 @@ classes, so ``PynvmlBackend`` conversions are tested without a GPU.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,45 @@ class FakeGpu:
 
 Chaos = Callable[[str], Any]
 NORMAL = object()  # what a Chaos hook returns to let the call through
+
+
+class Hang:
+    """A ``Chaos`` hook that blocks calls of ``method`` as a hung driver does (a GPU off the bus, NVSentinel
+    #1574): each for ``seconds``, or until ``release()`` where ``seconds`` is None (forever), after ``after`` calls
+    that went through. ``raises``, where given, is raised by each blocked call once it unblocks (or at once, with
+    ``seconds=0``). ``entered`` counts the blocked calls begun, ``inside`` those not returned yet."""
+
+    def __init__(self, method: str = "device_count", *, seconds: float | None = None, after: int = 0,
+                 raises: Exception | None = None) -> None:
+        self.method = method
+        self.seconds = seconds
+        self.after = after
+        self.raises = raises
+        self.entered = 0
+        self.inside = 0
+        self._released = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self, method: str) -> Any:
+        if method != self.method:
+            return NORMAL
+        with self._lock:
+            if self.after > 0:
+                self.after -= 1
+                return NORMAL
+            self.entered += 1
+            self.inside += 1
+        try:
+            if self.seconds != 0:
+                self._released.wait(self.seconds)
+        finally:
+            with self._lock:
+                self.inside -= 1
+        return self.raises if self.raises is not None else NORMAL
+
+    def release(self) -> None:
+        """Every blocked call returns now, and later ones do not block."""
+        self._released.set()
 
 
 class FakeGpuBackend:

@@ -10,7 +10,7 @@ from frexporter.exporter import Exporter
 from frexporter.model import RANK_OK
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from tests import spoolgen
-from tests.test_collectives import T0, Node, raw
+from tests.fakes.node import T0, Node, raw
 
 
 class Clocks:

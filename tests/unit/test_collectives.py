@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import socketserver
-import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from frexporter import naming as n
 from frexporter import spool
-from frexporter.analysis import make_analyzer
-from frexporter.exporter import Exporter
-from frexporter.fr.trace import FrEntry, parse_entry
+from frexporter.fr.trace import FrEntry
 from frexporter.model import DURATION_BUCKETS
-from frexporter.outputs.snapshot_metrics import SnapshotCollector
 from frexporter.sources.collectives import (
     MAX_OPS_PER_PG,
     OTHER_OP,
@@ -27,34 +18,8 @@ from frexporter.sources.collectives import (
     entry_bytes,
     op_label,
 )
-from frexporter.sources.ranks import RanksConfig, RanksSource
-from tests import spoolgen
-from tests.harness import metrics, sample
-
-T0 = 1_700_000_000.0
-
-
-def raw(rid: int, seq: int, *, op: str = "gloo:all_reduce", pg: tuple[str, str] = ("0", "default_pg"),
-        created: float | None = None, retired: bool = True, state: str = "scheduled",
-        sizes: list[list[int]] | None = None, dtypes: list[str] | None = None, duration: float | None = None,
-        p2p: bool = False, started_ns: int = 0, timeout_ms: int = 1_800_000, pg_id: int = 0) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "record_id": rid, "pg_id": pg_id, "process_group": list(pg), "collective_seq_id": seq, "p2p_seq_id": 0,
-        "op_id": seq, "profiling_name": op,
-        "time_created_ns": int((created if created is not None else T0 + seq) * 1e9),
-        "input_sizes": sizes if sizes is not None else [[4, 3]], "input_dtypes": dtypes or ["Float"],
-        "output_sizes": sizes if sizes is not None else [[4, 3]], "output_dtypes": dtypes or ["Float"],
-        "state": state, "time_discovered_started_ns": started_ns, "time_discovered_completed_ns": 0,
-        "retired": retired, "timeout_ms": timeout_ms, "is_p2p": p2p,
-    }
-    if duration is not None:
-        out["duration_ms"] = duration
-    return out
-
-
-def entry(*args: Any, **kw: Any) -> FrEntry:
-    return parse_entry(raw(*args, **kw))
-
+from tests.fakes.node import T0, Node, entry, raw, render
+from tests.harness import sample
 
 # ---------------------------------------------------------------- bytes and labels
 
@@ -128,12 +93,16 @@ def test_out_of_order_completion_across_pgs_counts_each_entry_once() -> None:
     assert cursor.upto == 2 and not cursor.above
 
 
+NCCL_OP = "nccl:all_reduce"  # stock ProcessGroupNCCL's entries, as it names them
+
+
 def test_nccl_waits_for_retirement_and_skips_timed_out_entries() -> None:
     cursor = EntryCursor(nccl=True)
     # Completed but not retired: the watchdog has not written the duration yet.
-    assert cursor.take([entry(0, 1, retired=False, state="completed")])[0] == []
+    assert cursor.take([entry(0, 1, op=NCCL_OP, retired=False, state="completed")])[0] == []
     # Retired without completing: timed out or aborted, it moved no bytes.
-    settled, _, _ = cursor.take([entry(0, 1, state="completed", duration=2.5), entry(1, 2, state="scheduled")])
+    settled, _, _ = cursor.take([entry(0, 1, op=NCCL_OP, state="completed", duration=2.5),
+                                 entry(1, 2, op=NCCL_OP, state="scheduled")])
     assert ids(settled) == [0] and settled[0].duration_ms == 2.5
     assert cursor.upto == 1
 
@@ -141,12 +110,12 @@ def test_nccl_waits_for_retirement_and_skips_timed_out_entries() -> None:
 def test_nccl_with_timing_gives_the_duration_one_more_read() -> None:
     cursor = EntryCursor(nccl=True)
     timed = {"state": "completed", "started_ns": int(T0 * 1e9)}
-    assert cursor.take([entry(0, 1, **timed)])[0] == []  # retired, duration not written yet
-    settled = cursor.take([entry(0, 1, duration=1.25, **timed)])[0]
+    assert cursor.take([entry(0, 1, op=NCCL_OP, **timed)])[0] == []  # retired, duration not written yet
+    settled = cursor.take([entry(0, 1, op=NCCL_OP, duration=1.25, **timed)])[0]
     assert [e.duration_ms for e in settled] == [1.25]
     # A duration that never comes (overwritten, or cudaEventElapsedTime failed): counted without one.
-    assert cursor.take([entry(0, 1, duration=1.25, **timed), entry(1, 2, **timed)])[0] == []
-    assert [e.duration_ms for e in cursor.take([entry(1, 2, **timed)])[0]] == [None]
+    assert cursor.take([entry(0, 1, op=NCCL_OP, duration=1.25, **timed), entry(1, 2, op=NCCL_OP, **timed)])[0] == []
+    assert [e.duration_ms for e in cursor.take([entry(1, 2, op=NCCL_OP, **timed)])[0]] == [None]
 
 
 def test_recorder_reset_starts_counting_again() -> None:
@@ -197,106 +166,6 @@ def test_finished_jobs_are_forgotten() -> None:
 
 
 # ---------------------------------------------------------------- through the ranks source
-
-
-class FakeWorker:
-    """A worker-server stand-in on a unix socket: answers every POST with ``dump()`` as JSON."""
-
-    def __init__(self, path: str, dump: Callable[[], dict[str, Any]]) -> None:
-        self.reads = 0
-        worker = self
-
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self) -> None:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = self.request.recv(4096)
-                    if not chunk:
-                        return
-                    data += chunk
-                worker.reads += 1
-                body = json.dumps(dump()).encode()
-                self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-        self.server = socketserver.ThreadingUnixStreamServer(path, Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class Node:
-    """Spool files and fake worker servers for a few ranks, a RanksSource over them and a settable clock."""
-
-    def __init__(self, directory: Path, ranks: int, **config: Any) -> None:
-        self.dir = directory
-        directory.mkdir()
-        self.now = T0 + 1000
-        self.rings: dict[int, list[dict[str, Any]]] = {r: [] for r in range(ranks)}
-        self.pids = {r: 100000 + r for r in range(ranks)}
-        self.counter = 0
-        self.workers: list[FakeWorker] = []
-        for r in range(ranks):
-            self.start_rank(r)
-        self.source = RanksSource(RanksConfig(str(directory), **{"poll_interval": 1.0, "rank_timeout": 2.0,
-                                                                 "deep_interval": 0.0, **config}),
-                                  clock=lambda: self.now)
-        self.exporter = Exporter([(self.source, 1.0)], clock=lambda: self.now, hostname="node-a",
-                                 analyzer=make_analyzer())
-
-    def start_rank(self, r: int) -> None:
-        stem = spool.rank_stem("job", r)
-        sock = spool.socket_name(stem)
-        m = spoolgen.manifest("job", r, world=len(self.rings), socket=sock, pid=self.pids[r])
-        spool.write_json_atomic(str(self.dir / (stem + spool.MANIFEST_SUFFIX)), m)
-        self.workers.append(FakeWorker(str(self.dir / sock), lambda r=r: self.dump(r)))  # type: ignore[misc]
-
-    def dump(self, r: int) -> dict[str, Any]:
-        ring = self.rings[r]
-        seq = max((e["op_id"] for e in ring), default=0)
-        done = max((e["op_id"] for e in ring if e["retired"]), default=0)
-        return {"version": "2.10", "pg_status": {"0": {"last_enqueued_collective": seq, "last_started_collective": -1,
-                                                       "last_completed_collective": done}},
-                "entries": ring}
-
-    def poll(self) -> Any:
-        """Advance the clock, refresh every snapshot with its ring's progress (which makes the source read
-        the rings again), and poll once."""
-        self.now += 1.0
-        self.counter += 1
-        for r, ring in self.rings.items():
-            seq = max((e["op_id"] for e in ring), default=0)
-            snap = spoolgen.snapshot(self.pids[r], seq=seq, counter=self.counter, when=self.now)
-            spool.write_json_atomic(str(self.dir / (spool.rank_stem("job", r) + spool.SNAPSHOT_SUFFIX)), snap)
-        return self.exporter.poll_once()
-
-    def close(self) -> None:
-        self.source.close()
-        for w in self.workers:
-            w.close()
-
-
-@pytest.fixture
-def node_factory(tmp_path: Path) -> Iterator[Callable[..., Node]]:
-    nodes: list[Node] = []
-
-    def make(ranks: int = 2, **config: Any) -> Node:
-        node = Node(tmp_path / f"n{len(nodes)}", ranks, **config)
-        nodes.append(node)
-        return node
-
-    yield make
-    for node in nodes:
-        node.close()
-
-
-def render(snapshot: Any) -> dict[str, list[tuple[dict[str, str], float]]]:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(lambda: snapshot))
-    return metrics(generate_latest(registry).decode())
 
 
 def test_ranks_source_counts_each_entry_once_per_node(node_factory: Callable[..., Node]) -> None:

@@ -1,15 +1,14 @@
 """The Grafana dashboards in grafana/: committed JSON equals what grafana/generate.py
 (the grafana/generator package) builds, the JSON loads into the Grafana 11.6 schema
 (grafana-foundation-sdk), every query is PromQL that promtool parses, and every series
-a query reads is one that frexporter exports, one of its recording rules, or Prometheus' own."""
+a query reads is one that frexporter exports, one of its recording rules, or Prometheus' own.
+
+Its e2e tests (a process started, or longer than about 1 s) are in tests/e2e/test_dashboards.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,9 @@ import pytest
 
 from frexporter import naming
 from frexporter.model import ACTIVITY_STATES
-from tests.harness import require_module, require_tool
+from tests.harness import REPO, require_module
 from tests.rulefile import load_rules
+from tests.shared.dashboards import all_exprs
 
 # The SDK is dev tooling, pinned in the test extra.
 require_module("grafana_foundation_sdk", "grafana-foundation-sdk (the test extra)")
@@ -32,9 +32,7 @@ from grafana_foundation_sdk.models import prometheus as mprom  # noqa: E402
 from grafana import generate  # noqa: E402 (after the check: it imports the SDK)
 from grafana.generator import panels, promql  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "grafana"
-PROMTOOL_TIMEOUT_S = 120
 SCHEMA_VERSION = mdash.Dashboard().schema_version  # what the pinned SDK (Grafana 11.6) emits
 
 
@@ -104,21 +102,6 @@ def test_check_reports_drift_missing_and_stale_files(tmp_path: Path, capsys: pyt
     assert generate.main(["--out", str(tmp_path)]) == 0
     (tmp_path / "frexporter-old.json").unlink()
     assert generate.main(["--check", "--out", str(tmp_path)]) == 0
-
-
-@pytest.mark.e2e
-def test_script_runs_from_a_checkout_without_installing_frexporter() -> None:
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, str(GRAFANA / "generate.py"), "--check"],
-        cwd=REPO.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # --- Grafana schema ------------------------------------------------------------
@@ -253,55 +236,6 @@ def test_runbook_links_follow_the_rules_under_an_empty_base() -> None:
         assert (REPO / alert["annotations"]["runbook_url"]).is_file()
 
 
-# --- PromQL ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    return require_tool("promtool", "Debian: apt-get install prometheus")
-
-
-def _promtool_parse(promtool: str, tmp_path: Path, exprs: list[tuple[str, str]]) -> subprocess.CompletedProcess[str]:
-    """Check ``(name, expr)`` pairs as recording rules, one group each so that errors name the query."""
-    groups = [
-        {"name": name, "rules": [{"record": f"frexporter_dashboard_query_{i}", "expr": expr}]}
-        for i, (name, expr) in enumerate(exprs)
-    ]
-    path = tmp_path / "dashboard_queries.rules.yml"
-    path.write_text(json.dumps({"groups": groups}, indent=1), encoding="utf-8")  # JSON is YAML
-    return subprocess.run(
-        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=PROMTOOL_TIMEOUT_S, check=False
-    )
-
-
-def _all_exprs() -> list[tuple[str, str]]:
-    exprs = [
-        (f"{query.dashboard_uid} / {query.panel_title} / {query.ref_id}", generate.substitute(query.expr))
-        for query in generate.panel_queries()
-    ]
-    for uid, dashboard in generate.build_dashboards().items():
-        exprs += [
-            (f"{uid} / variable {name}", generate.substitute(selector))
-            for name, selector in generate.variable_selectors(dashboard)
-        ]
-    return exprs
-
-
-@pytest.mark.e2e
-def test_every_query_parses_with_promtool(promtool: str, tmp_path: Path) -> None:
-    exprs = _all_exprs()
-    result = _promtool_parse(promtool, tmp_path, exprs)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"SUCCESS: {len(exprs)} rules found" in result.stdout
-
-
-@pytest.mark.e2e
-def test_promtool_harness_catches_a_bad_query(promtool: str, tmp_path: Path) -> None:
-    result = _promtool_parse(promtool, tmp_path, [("good", "sum(up)"), ("frexporter-job / Broken / A", "sum(up")])
-    assert result.returncode != 0
-    assert "frexporter-job / Broken / A" in result.stdout + result.stderr
-
-
 def _known_series() -> set[str]:
     exported = {
         v for v in vars(naming).values() if isinstance(v, str) and v.startswith(naming.PREFIX) and v != naming.PREFIX
@@ -319,7 +253,7 @@ def _is_known(name: str, known: set[str]) -> bool:
 
 def test_every_series_a_query_reads_is_exported_or_recorded() -> None:
     known = _known_series()
-    for name, expr in _all_exprs():
+    for name, expr in all_exprs():
         names = generate.metric_names(expr)
         assert names or expr.endswith("or vector(0)"), f"{name}: no series found in {expr!r}"
         unknown = {metric for metric in names if not _is_known(metric, known)}

@@ -12,7 +12,7 @@ from frexporter.outputs import exposition
 from frexporter.outputs.snapshot_metrics import SnapshotCollector
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from tests import spoolgen
-from tests.test_golden_metrics import fixed_snapshot
+from tests.fakes.snapshot import fixed_snapshot
 
 
 def both(registry: CollectorRegistry) -> tuple[bytes, bytes]:

@@ -39,7 +39,10 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "frexporter"
+from tests.harness import REPO
+from tests.shared.layering import IMPURE_MODULES
+
+PACKAGE = REPO / "frexporter"
 
 ORDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     # and the bare package (ROOT)
@@ -71,13 +74,6 @@ RECORDER_IMPORTED_BY = {RECORDER, "demo", "cli"}
 EXITING = {"cli"}
 
 TORCH_MODULES = ("frexporter.recorder", "frexporter.demo.rank")
-
-# Standard-library modules that reach files, sockets, processes, threads, clocks or log handlers.
-IMPURE_MODULES = frozenset({
-    "asyncio", "concurrent", "ctypes", "datetime", "fcntl", "glob", "http", "io", "logging", "mmap",
-    "multiprocessing", "os", "pathlib", "pickle", "random", "select", "selectors", "shelve", "shutil", "signal",
-    "socket", "socketserver", "sqlite3", "ssl", "subprocess", "sys", "tempfile", "threading", "time", "urllib",
-})
 IMPURE_CALLS = frozenset({"open", "print", "input", "breakpoint", "__import__", "exec", "eval"})
 
 
@@ -175,7 +171,7 @@ def layer_of(module: str) -> str | None:
         if any(_matches(module, p) for p in prefixes):
             return name
     if _matches(module, ROOT):
-        raise AssertionError(f"{module} belongs to no layer: add it to ORDER in tests/test_layering.py and to "
+        raise AssertionError(f"{module} belongs to no layer: add it to ORDER in tests/unit/test_layering.py and to "
                              "docs/architecture.md")
     return None
 

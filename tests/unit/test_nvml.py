@@ -1,47 +1,27 @@
-"""NvmlSource policy and GPU metric families, against fakes of the GPU boundary."""
+"""NvmlSource policy and GPU metric families, against fakes of the GPU boundary.
+
+Its e2e tests (a process started, or longer than about 1 s) are in tests/e2e/test_nvml.py."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
-import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import pynvml
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
 
 from frexporter import naming as n
 from frexporter.model import EccErrors, GpuReading, RemappedRows
 from frexporter.outputs.gpu_metrics import gpu_metric_families
 from frexporter.sources.base import SourceError
-from frexporter.sources.nvml import FieldNotSupported, GpuBackendError, GpuLost, NvmlSource, PynvmlBackend, XidEvent
-from tests.fakes.gpu import NORMAL, FakeGpu, FakeGpuBackend, FakePynvml, RawGpu, full_nvlinks
-from tests.harness import require_tool
+from frexporter.sources.nvml import GpuBackendError, GpuLost, NvmlSource, PynvmlBackend
+from tests.fakes.gpu import FakeGpu, FakeGpuBackend, FakePynvml, RawGpu, full_nvlinks
+from tests.shared.nvml import FakeClock, exposition, full_reading, make_source
 
 LOGGER = "frexporter.sources.nvml"
 SERIES_BUDGET_PER_GPU = 30  # docs/architecture.md, Budgets
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def make_source(backend: object, clock: FakeClock | None = None) -> NvmlSource:
-    return NvmlSource(backend, clock=clock or FakeClock(), wall_clock=lambda: 1_700_000_000.0)  # type: ignore[arg-type]
 
 
 def samples_by_name(reading: GpuReading, **kwargs: bool) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -334,20 +314,6 @@ def test_nvlink_sum_does_not_drop_when_a_link_stops_reading() -> None:
 # --- exposition
 
 
-def full_reading(gpus: int = 8) -> GpuReading:
-    backend = FakeGpuBackend(
-        [
-            FakeGpu(f"GPU-{i:04d}", throttle_reasons=0xFFF, nvlink_errors=full_nvlinks(18, count=i))
-            for i in range(gpus)
-        ]
-    )
-    source = make_source(backend)
-    for i in range(gpus):
-        backend.inject_xid(i, 79)
-        backend.inject_xid(i, 94)
-    return source.read()
-
-
 def test_series_per_gpu_within_budget() -> None:
     reading = full_reading()
     per_gpu = series_per_gpu(reading)
@@ -357,30 +323,6 @@ def test_series_per_gpu_within_budget() -> None:
     assert max(per_gpu.values()) <= SERIES_BUDGET_PER_GPU
     # Per-link NVLink series are opt-in: 18 links x 4 types instead of 4.
     assert set(series_per_gpu(reading, nvlink_per_link=True).values()) == {28 - 4 + 18 * 4}
-
-
-class _Collector:
-    def __init__(self, reading: GpuReading) -> None:
-        self.reading = reading
-
-    def collect(self) -> Iterator[Metric]:
-        yield from gpu_metric_families(self.reading)
-
-
-def exposition(reading: GpuReading) -> bytes:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(reading))
-    return generate_latest(registry)
-
-
-@pytest.mark.e2e
-def test_exposition_passes_promtool() -> None:
-    text = exposition(full_reading())
-    assert n.GPU_ENERGY_JOULES_TOTAL.encode() + b"{" in text
-    assert b"# TYPE " + n.GPU_XID_ERRORS_TOTAL.encode() + b" counter" in text
-    promtool = require_tool("promtool", "Debian: apt-get install prometheus")
-    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
-    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 
 
 def test_families_are_fresh_per_call() -> None:
@@ -417,95 +359,9 @@ def test_real_pynvml_backend() -> None:
         source.close()
 
 
-@pytest.mark.e2e
-def test_importing_the_gpu_path_loads_neither_pynvml_nor_torch() -> None:
-    code = (
-        "import sys, frexporter.sources.nvml, frexporter.outputs.gpu_metrics; "
-        "sys.exit(sorted({'pynvml', 'torch'} & set(sys.modules)) or 0)"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-
-
 def test_close_shuts_nvml_down() -> None:
     backend = FakeGpuBackend([FakeGpu("GPU-a")])
     source = make_source(backend)
     source.read()
     source.close()
     assert backend.calls["shutdown"] == 1 and not backend.initialized
-
-
-# --- property: nothing but SourceError escapes collect()
-
-
-def _errors() -> st.SearchStrategy[Exception]:
-    factories = [
-        lambda: GpuBackendError("timeout"),
-        lambda: GpuBackendError("driver"),
-        lambda: GpuBackendError("library_not_found"),
-        lambda: GpuBackendError("no_permission"),
-        FieldNotSupported,
-        GpuLost,
-        lambda: RuntimeError("boom"),
-        lambda: ValueError("bad"),
-        lambda: KeyError("k"),
-        lambda: OSError("io"),
-        lambda: TypeError("t"),
-        lambda: ZeroDivisionError(),
-        lambda: pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN),
-    ]
-    return st.sampled_from(factories).map(lambda make: make())
-
-
-_GARBAGE = st.sampled_from(
-    [
-        None,
-        "",
-        "text",
-        -1,
-        2.5,
-        float("nan"),
-        float("inf"),
-        True,
-        (1,),
-        (1, -2),
-        {},
-        {("x", "replay"): 1},
-        {(0, "bogus"): 1},
-        [XidEvent(0, 13), "junk", XidEvent(-1, 5), XidEvent(0, True)],
-        EccErrors(-1, 0),
-        RemappedRows(0, 0, pending=True, failure=False),
-        object(),
-    ]
-)
-_WHOLE_SOURCE_REASONS = {"library_not_found", "driver", "init_failed", "timeout", "no_permission", "unknown"}
-
-
-@pytest.mark.e2e
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_random_backend_failures_only_raise_source_error(data: st.DataObject) -> None:
-    outcome = st.one_of(st.just("ok"), st.just("ok"), st.just("ok"), st.just("raise"), st.just("garbage"))
-
-    def chaos(method: str) -> object:
-        kind = data.draw(outcome, label=method)
-        if kind == "raise":
-            return data.draw(_errors())
-        if kind == "garbage":
-            return data.draw(_GARBAGE)
-        return NORMAL
-
-    clock = FakeClock()
-    backend = FakeGpuBackend([FakeGpu("GPU-a"), FakeGpu("GPU-b", lost_after_polls=1)], chaos=chaos)
-    backend.inject_xid(0, 79)
-    source = make_source(backend, clock)
-    for _ in range(4):
-        try:
-            reading = source.read()
-        except SourceError as exc:
-            assert exc.reason in _WHOLE_SOURCE_REASONS
-        else:
-            assert isinstance(reading, GpuReading)
-            exposition(reading)  # whatever got through must render
-        clock.advance(120.0)
-    assert not backend.violations

@@ -7,7 +7,7 @@ from pathlib import Path
 from frexporter import spool
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from tests import spoolgen
-from tests.test_collectives import T0, FakeWorker, raw
+from tests.fakes.node import T0, FakeWorker, raw
 
 
 def test_inflight_from_an_old_deep_read_is_dropped_once_the_rank_completes_more(tmp_path: Path) -> None:

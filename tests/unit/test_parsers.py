@@ -1,4 +1,6 @@
-"""Parsers of outside data (spool files, FR dumps, worker-server answers) never raise anything unexpected."""
+"""Parsers of outside data (spool files, FR dumps, worker-server answers) never raise anything unexpected.
+
+Its e2e tests (a process started, or longer than about 1 s) are in tests/e2e/test_parsers.py."""
 
 from __future__ import annotations
 
@@ -6,7 +8,6 @@ import contextlib
 import json
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,29 +17,7 @@ from frexporter.sources import worker_client
 from frexporter.sources.base import SourceError
 from frexporter.spool import SpoolError
 from tests import spoolgen
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
-    max_leaves=30,
-)
-
-
-def mutated(base: dict) -> st.SearchStrategy[dict]:
-    """Valid documents with one field replaced by anything: the realistic way files go wrong."""
-    return st.builds(lambda key, value: {**base, key: value}, st.sampled_from(sorted(base)), json_values)
-
-
-@pytest.mark.e2e
-@settings(max_examples=300, deadline=None)
-@given(st.one_of(json_values, mutated(spoolgen.manifest("j", 1, pgs=2))))
-def test_manifest_parser_only_raises_spool_errors(doc: object) -> None:
-    try:
-        m = spool.parse_manifest(doc)
-    except SpoolError:
-        return
-    assert isinstance(m.rank, int) and m.rank >= 0
-    assert all(isinstance(r, int) for pg in m.process_groups for r in pg.ranks)
+from tests.shared.parsers import GLOO_ENTRY, json_values, mutated
 
 
 @settings(max_examples=300, deadline=None)
@@ -50,27 +29,6 @@ def test_snapshot_parser_only_raises_spool_errors(doc: object) -> None:
         return
     for statuses in s.status.values():
         assert all(isinstance(k, int) for k in statuses)
-
-
-GLOO_ENTRY = {
-    "record_id": 0, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": 1, "p2p_seq_id": 0,
-    "op_id": 1, "profiling_name": "gloo:all_reduce", "time_created_ns": 1795331103554771211,
-    "input_sizes": [[4, 3]], "input_dtypes": ["Float"], "output_sizes": [[4, 3]], "output_dtypes": ["Float"],
-    "state": "scheduled", "time_discovered_started_ns": 0, "time_discovered_completed_ns": 0, "retired": True,
-    "timeout_ms": 1800000, "is_p2p": False,
-}
-
-
-@pytest.mark.e2e
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(json_values, mutated(GLOO_ENTRY)), max_size=6), json_values)
-def test_fr_dump_parser_drops_bad_entries(entries: list, status: object) -> None:
-    doc = {"version": "2.10", "pg_status": status, "entries": entries}
-    try:
-        dump = trace.parse_dump(doc)
-    except SpoolError:
-        return
-    assert len(dump.entries) + dump.dropped_entries == len(entries)
 
 
 def test_fr_dump_json_and_pickle_shapes_agree() -> None:

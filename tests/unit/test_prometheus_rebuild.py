@@ -20,7 +20,7 @@ from frexporter.analysis.verdicts import MISSING_RANK, RANK_ABSENT, VerdictConfi
 from frexporter.model import RANK_DOWN, RANK_OK, RANK_UNRESPONSIVE
 from frexporter.postmortem import promseries, promview
 from frexporter.postmortem.promview import Query, rebuild
-from tests.test_layering import IMPURE_MODULES
+from tests.shared.layering import IMPURE_MODULES
 
 NOW = 1_700_000_000.0
 SCRAPED = NOW - 5  # when Prometheus last scraped every series below

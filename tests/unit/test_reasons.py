@@ -3,7 +3,7 @@
 ``reason`` (of ``frexporter_source_errors_total`` and ``frexporter_rank_recorder_errors_total``) is a bounded
 label: its values are the constants of ``frexporter/reasons.py``. A literal in their place is how the set drifts
 (a typo is a new series nobody alerts on), so every module under frexporter/ is parsed with ``ast``, never
-imported, as tests/test_layering.py does, and a string literal where a reason goes fails here, naming the line:
+imported, as tests/unit/test_layering.py does, and a string literal where a reason goes fails here, naming the line:
 
 - the first argument (or ``reason=``) of ``FrexporterError`` and every class in the package derived from it
   (``SpoolError``, ``SourceError``, ``GpuBackendError``, ``EvidenceRefused``, ...);
@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from frexporter import model, reasons
+from tests.harness import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 PACKAGE = ROOT / "frexporter"
 REASONS_MODULE = PACKAGE / "reasons.py"
 SECURITY = ROOT / "SECURITY.md"

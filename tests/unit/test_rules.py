@@ -1,12 +1,12 @@
 """The canonical alert and recording rules: promtool's checks, its unit tests in
-tests/rules/, the conventions every alert follows, and the timing scaler."""
+tests/rules/, the conventions every alert follows, and the timing scaler.
+
+Its e2e tests (a process started, or longer than about 1 s) are in tests/e2e/test_rules.py."""
 
 from __future__ import annotations
 
 import math
 import re
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,64 +14,18 @@ import yaml
 
 from frexporter import naming
 from frexporter.model import BUSY_HOLD_SECONDS
-from tests.harness import require_tool
+from tests.harness import REPO
 from tests.rulefile import RULES_PATH, SCALE_MARKER, load_rules, parse_duration, render_rules
+from tests.shared.rules import UNIT_TESTS, shipped_alerts, shipped_rules
 
-REPO = Path(__file__).resolve().parents[1]
-UNIT_TESTS = sorted((REPO / "tests" / "rules").glob("*.yml"))
 # Repository-relative: where the runbooks are served is the deployment's to say (the Helm chart prefixes
 # prometheusRule.runbookBaseURL), so the canonical file names no address.
 RUNBOOK_PATH = "docs/runbooks/{}.md"
 SEVERITIES = {"info", "warning", "critical"}
-PROMTOOL_TIMEOUT_S = 120
-
-
-def _rules() -> list[dict[str, Any]]:
-    return [rule for group in load_rules()["groups"] for rule in group["rules"]]
-
-
-def _alerts() -> list[dict[str, Any]]:
-    return [rule for rule in _rules() if "alert" in rule]
 
 
 def _recorded() -> set[str]:
-    return {rule["record"] for rule in _rules() if "record" in rule}
-
-
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    return require_tool("promtool", "Debian: apt-get install prometheus")
-
-
-def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, timeout=PROMTOOL_TIMEOUT_S, check=False)
-
-
-def _check_rules(promtool: str, path: Path) -> None:
-    result = _run([promtool, "check", "rules", "--lint=all", "--lint-fatal", str(path)])
-    assert result.returncode == 0, result.stdout + result.stderr
-    # A file that parses to no rules also "succeeds".
-    assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
-
-
-@pytest.mark.e2e
-def test_shipped_rules_pass_promtool_check_and_lint(promtool: str) -> None:
-    _check_rules(promtool, RULES_PATH)
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("scale", [0.1, 0.01])
-def test_scaled_rules_pass_promtool_check(promtool: str, tmp_path: Path, scale: float) -> None:
-    path = tmp_path / "scaled.rules.yml"
-    path.write_text(render_rules(scale), encoding="utf-8")
-    _check_rules(promtool, path)
-
-
-@pytest.mark.e2e
-def test_promtool_unit_tests_pass(promtool: str) -> None:
-    assert UNIT_TESTS, "no promtool unit tests in tests/rules/"
-    result = _run([promtool, "test", "rules", *map(str, UNIT_TESTS)])
-    assert result.returncode == 0, result.stdout + result.stderr
+    return {rule["record"] for rule in shipped_rules() if "record" in rule}
 
 
 def test_unit_tests_load_the_shipped_rules() -> None:
@@ -79,25 +33,6 @@ def test_unit_tests_load_the_shipped_rules() -> None:
         spec = yaml.safe_load(test_file.read_text(encoding="utf-8"))
         resolved = [(test_file.parent / name).resolve() for name in spec["rule_files"]]
         assert resolved == [RULES_PATH.resolve()], test_file
-
-
-@pytest.mark.e2e
-def test_unit_tests_pin_every_alert_to_its_shipped_timing(promtool: str, tmp_path: Path) -> None:
-    """The same unit tests against rules with halved timings must fail for
-    every alert; otherwise a boundary test would pass whatever the timing."""
-    scaled = tmp_path / "scaled.rules.yml"
-    scaled.write_text(render_rules(0.5), encoding="utf-8")
-    copies = []
-    for test_file in UNIT_TESTS:
-        spec = yaml.safe_load(test_file.read_text(encoding="utf-8"))
-        spec["rule_files"] = [str(scaled)]
-        copy = tmp_path / test_file.name
-        copy.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
-        copies.append(str(copy))
-    result = _run([promtool, "test", "rules", *copies])
-    assert result.returncode != 0, result.stdout
-    failed = set(re.findall(r"alertname: (\w+), time:", result.stdout + result.stderr))
-    assert failed == {alert["alert"] for alert in _alerts()}
 
 
 def test_every_alert_has_a_for_boundary_test() -> None:
@@ -113,7 +48,7 @@ def test_every_alert_has_a_for_boundary_test() -> None:
                 key = (check["alertname"], parse_duration(check["eval_time"]))
                 (firing if check["exp_alerts"] else silent).add(key)
             covered |= {name for name, at in firing if (name, at - step) in silent}
-    assert covered == {alert["alert"] for alert in _alerts()}
+    assert covered == {alert["alert"] for alert in shipped_alerts()}
 
 
 def _naming_metrics() -> set[str]:
@@ -132,7 +67,7 @@ def test_rules_reference_only_metrics_named_in_naming() -> None:
     known = _naming_metrics()
     recorded = _recorded()
     referenced: set[str] = set()
-    for rule in _rules():
+    for rule in shipped_rules():
         names = _promql_names(rule["expr"])
         # Only recording rules produce names with a colon.
         assert {n for n in names if ":" in n} <= recorded, rule
@@ -144,6 +79,30 @@ def test_rules_reference_only_metrics_named_in_naming() -> None:
     assert referenced <= known, referenced - known
 
 
+# The one way the rules read a node's clock (frexporter.rules.yml, "Clocks"): the node's clock at its last poll,
+# advanced by Prometheus' time since that scrape, minus a timestamp of that node, joined on the exporter.
+_NODE_AGE = re.compile(
+    r"max by \(job, instance\) \(\s*" + re.escape(naming.POLL_TIMESTAMP_SECONDS) + r" \+ time\(\) - timestamp\("
+    + re.escape(naming.POLL_TIMESTAMP_SECONDS) + r"\)\s+or on \(job, instance\)\s+0 \* up \+ time\(\)\s*\)"
+    r"\s+- on \(job, instance\) group_right \(\) (?=frexporter_\w+_timestamp_seconds\b)")
+# Node timestamps the rules only test for presence or state, never read as a time.
+_NOT_READ_AS_TIMES = {naming.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS}
+
+
+@pytest.mark.parametrize("rule", shipped_rules(), ids=lambda rule: rule.get("alert") or rule["record"])
+def test_node_timestamps_are_only_aged_on_their_own_node_s_clock(rule: dict[str, Any]) -> None:
+    """No rule compares a node's timestamp with Prometheus' time() or with another node's: each is aged on its own
+    exporter's clock first (tests/rules/clock_skew_test.yml shows what that buys)."""
+    texts = [re.sub(r"#[^\n]*", "", rule["expr"]), *rule.get("annotations", {}).values()]
+    for text in texts:
+        aged = {m.end() for m in _NODE_AGE.finditer(text)}
+        assert "time()" not in _NODE_AGE.sub("", text), text
+        for m in re.finditer(r"frexporter_\w+_timestamp_seconds\b", text):
+            if m.group() == naming.POLL_TIMESTAMP_SECONDS or m.group() in _NOT_READ_AS_TIMES:
+                continue
+            assert m.start() in aged, f"{m.group()} not aged on its node's clock at {m.start()}: {text}"
+
+
 def test_recording_rules_follow_level_metric_operations() -> None:
     for name in _recorded():
         level, metric, operations = name.split(":")
@@ -151,7 +110,7 @@ def test_recording_rules_follow_level_metric_operations() -> None:
         assert metric.startswith(naming.PREFIX), name
 
 
-@pytest.mark.parametrize("alert", _alerts(), ids=lambda alert: alert["alert"])
+@pytest.mark.parametrize("alert", shipped_alerts(), ids=lambda alert: alert["alert"])
 def test_alert_follows_conventions(alert: dict[str, Any]) -> None:
     name = alert["alert"]
     assert re.fullmatch(r"Frexporter[A-Z][A-Za-z]+", name)
@@ -170,7 +129,7 @@ def test_alert_follows_conventions(alert: dict[str, Any]) -> None:
 
 
 def test_load_rules_scales_for_and_marked_literals_only() -> None:
-    shipped, scaled = _rules(), [r for g in load_rules(0.1)["groups"] for r in g["rules"]]
+    shipped, scaled = shipped_rules(), [r for g in load_rules(0.1)["groups"] for r in g["rules"]]
     marked = 0
     for before, after in zip(shipped, scaled, strict=True):
         if "for" in before:
@@ -213,7 +172,7 @@ def test_load_rules_scaled_desync_timing() -> None:
 
 def test_desync_busy_hold_is_the_model_s() -> None:
     """The alert's "busy within the last minute" is the node verdict's BUSY_HOLD_SECONDS (one answer)."""
-    desync = next(rule for rule in _alerts() if rule["alert"] == "FrexporterCollectiveDesync")
+    desync = next(rule for rule in shipped_alerts() if rule["alert"] == "FrexporterCollectiveDesync")
     windows = set(re.findall(r'\{state="busy"\}\[(\w+)\]', desync["expr"]))
     assert windows and {parse_duration(w) for w in windows} == {BUSY_HOLD_SECONDS}, windows
 

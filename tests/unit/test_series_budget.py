@@ -5,7 +5,7 @@ process groups; WORLD and a tensor-parallel group are shared by the node's 8 ran
 straggler series), the other 6 (data- and pipeline-parallel groups) have one member per node. Steady state at
 the default settings: gloo or NCCL without timing (no started seq), nothing in flight, no recorder errors, no
 verdict. A series counts against a rank when it carries the ``rank`` label; the PG's static facts (info,
-timeout) are per node, and GPUs have their own budget (tests/test_nvml.py). A real node's exposition is
+timeout) are per node, and GPUs have their own budget (tests/unit/test_nvml.py). A real node's exposition is
 counted by ``python -m benchmarks.scale --capacity-only``.
 """
 

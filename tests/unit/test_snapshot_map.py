@@ -1,31 +1,22 @@
-"""The mapped snapshot file: what the recorder updates in place once a second and the exporter reads every poll."""
+"""The mapped snapshot file: what the recorder updates in place once a second and the exporter reads every poll.
+
+Its e2e tests (a process started, or longer than about 1 s) are in tests/e2e/test_snapshot_map.py."""
 
 from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import stat
 import struct
-import time
 from pathlib import Path
 
 import pytest
 
 from frexporter import spool
 from tests import spoolgen
-from tests.test_bad_input import errors_of, healthy_ranks, make_exporter
-
-
-def doc(counter: int = 1, **extra: object) -> dict[str, object]:
-    return spoolgen.as_mapped(spoolgen.snapshot(100000, counter=counter, **extra))
-
-
-def write(path: Path, document: dict[str, object]) -> spool.SnapshotMap:
-    writer = spool.SnapshotMap(str(path))
-    writer.write(json.dumps(document).encode())
-    return writer
+from tests.shared.snapshot_map import doc, write
+from tests.shared.spool_exporter import errors_of, healthy_ranks, make_exporter
 
 
 def test_round_trip_private_file_and_no_temporary_left(tmp_path: Path) -> None:
@@ -145,37 +136,6 @@ def test_bad_mapped_files_are_refused_with_a_reason(tmp_path: Path, case: str) -
     with pytest.raises(spool.SpoolError) as err:
         spool.read_snapshot_map(str(path))
     assert err.value.reason == reason
-
-
-def _writer(path: str, stop: float) -> None:
-    writer = spool.SnapshotMap(path)
-    counter = 0
-    while time.time() < stop:
-        counter += 1
-        writer.write(json.dumps(doc(counter=counter, message="p" * (counter % 5000))).encode())
-
-
-@pytest.mark.e2e
-def test_a_reader_never_sees_a_half_written_snapshot(tmp_path: Path) -> None:
-    """A writer process updating as fast as it can; every read is whole and counters never go back."""
-    path = tmp_path / ("j.r0" + spool.SNAPSHOT_MAP_SUFFIX)
-    write(path, doc(counter=0)).close()
-    proc = multiprocessing.get_context("fork").Process(target=_writer, args=(str(path), time.time() + 3))
-    proc.start()
-    try:
-        last, reads, torn = -1, 0, 0
-        while proc.is_alive() and reads < 3000:
-            try:
-                obj = spool.read_snapshot_map(str(path))
-            except spool.SpoolError as e:
-                assert e.reason == "torn", e  # five torn reads in a row: possible under this load, never garbage
-                torn += 1
-                continue
-            assert obj["counter"] >= last and obj["message"] == "p" * (obj["counter"] % 5000)
-            last, reads = obj["counter"], reads + 1
-        assert reads > 100 and last > 0
-    finally:
-        proc.join(timeout=10)
 
 
 def test_exporter_reads_mapped_snapshots_and_reports_a_bad_one_once(tmp_path: Path,

@@ -1,10 +1,11 @@
-"""Straggler signal: per-rank lateness from FR entries of local ranks, its gauge, and the straggler verdict."""
+"""Straggler signal: per-rank lateness from FR entries of local ranks, its gauge, and the straggler verdict.
+
+Its e2e tests (a process started, or longer than about 1 s) are in tests/e2e/test_straggler.py."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import pytest
 
@@ -13,8 +14,9 @@ from frexporter.analysis import STRAGGLER, VerdictConfig, evaluate
 from frexporter.fr.trace import FrEntry
 from frexporter.model import RANK_DOWN, RANK_OK, InflightCollective, PGState, RankState
 from frexporter.sources.collectives import LONE_PENDING, LatenessTracker
-from tests.harness import metrics, sample, wait_for
-from tests.test_collectives import T0, Node, entry, node_factory, raw, render  # noqa: F401 (fixture)
+from tests.fakes.node import T0, Node, entry, raw, render
+from tests.harness import sample
+from tests.shared.straggler import only_straggler
 
 KEY = ("job", "0", hash((0, 1, 2)), "fr")
 MEMBERS = {0: 100, 1: 101, 2: 102}
@@ -107,7 +109,7 @@ def test_p2p_entries_are_ignored() -> None:
 # ---------------------------------------------------------------- through the ranks source
 
 
-def test_ranks_source_exports_the_score_and_feeds_the_verdict(node_factory: Callable[..., Node]) -> None:  # noqa: F811
+def test_ranks_source_exports_the_score_and_feeds_the_verdict(node_factory: Callable[..., Node]) -> None:
     node = node_factory(3)
     late = {1: 2.0, 2: 0.1}
     for r in (0, 1, 2):
@@ -128,12 +130,6 @@ def test_ranks_source_exports_the_score_and_feeds_the_verdict(node_factory: Call
     assert "Rank 1 (host node-a, pid 100001) is a straggler on PG 'default_pg' (0)" in v.summary
     assert "2.0s after the first local rank" in v.summary and "ranks 0,2 wait for it every time" in v.summary
     assert v.details["lateness_seconds"]["1"] == pytest.approx(2.0)
-
-
-def only_straggler(verdicts: Any) -> Any:
-    found = [v for v in verdicts if v.kind == STRAGGLER]
-    assert len(found) == 1, verdicts
-    return found[0]
 
 
 # ---------------------------------------------------------------- engine
@@ -191,36 +187,6 @@ def test_a_hang_on_the_pg_supersedes_the_straggler() -> None:
     waiter, late = scored(0, 0.0, ranks=(0, 1)), scored(1, 4.0, ranks=(0, 1))
     waiter = replace(waiter, pgs=(replace(waiter.pgs[0], last_enqueued=501, inflight=(stuck,), inflight_count=1),))
     assert [(v.kind, v.ranks) for v in evaluate([waiter, late], NOW)] == [("missing_rank", (1,))]
-
-
-# ---------------------------------------------------------------- a real gloo job
-
-
-@pytest.mark.e2e
-def test_real_gloo_job_with_a_late_rank(job_factory: Any, exporter_factory: Any) -> None:
-    late = 0.15
-    job = job_factory("straggler", 2, env={"JOB_LATE_SECONDS": str(late), "JOB_STEPS": "14"})
-    exp = exporter_factory(job.spool)
-    job.wait_ready()
-
-    def scores() -> dict[int, tuple[float | None, int]] | None:
-        states = {r: exp.rank(r) for r in (0, 1)}
-        if any(s is None or not s.pgs for s in states.values()):
-            return None
-        out = {r: (s.pgs[0].lateness_seconds, s.pgs[0].lateness_samples) for r, s in states.items() if s}
-        return out if all(samples >= 14 for _, samples in out.values()) else None
-
-    seen = wait_for(scores, timeout=30, what="lateness of both ranks over all 14 all_reduces")
-    assert seen[0][0] == pytest.approx(0.0, abs=0.02)
-    assert seen[1][0] == pytest.approx(late, abs=0.1)
-    parsed = metrics(exp.get("/metrics"))
-    assert sample(parsed, n.RANK_STRAGGLER_LATENESS_SECONDS, rank="1", pg_desc="default_pg") == \
-        pytest.approx(late, abs=0.1)
-    # The default floor (1 s) keeps a 0.15 s skew quiet; a lower one names rank 1.
-    snap = exp.snapshot
-    assert not [v for v in evaluate(snap.ranks, snap.time) if v.kind == STRAGGLER]
-    config = VerdictConfig(straggler_min_lateness=late / 2, straggler_min_samples=10)
-    assert only_straggler(evaluate(snap.ranks, snap.time, config)).ranks == (1,)
 
 
 def test_a_peer_known_late_is_still_matched_with_what_came_before() -> None:

@@ -18,8 +18,8 @@ from frexporter.outputs.api import status_html, status_json
 from frexporter.sources.ranks import RanksConfig, RanksSource
 from frexporter.sources.thresholds import ThresholdConfig, ThresholdLearner, quantile, stuck_threshold
 from tests import spoolgen
-from tests.test_collectives import Node, node_factory, raw  # noqa: F401 (fixture)
-from tests.test_verdicts import NODE, NOW, tp_missing_rank_3
+from tests.fakes.node import Node, raw
+from tests.fakes.rank_states import NODE, NOW, tp_missing_rank_3
 
 CONFIG = ThresholdConfig(ceiling=60.0, floor=10.0, multiple=3.0, quantile=0.99, min_samples=20)
 
@@ -97,7 +97,7 @@ def _steady(node: Node, polls: int, seq: int, step: Callable[[], None] | None = 
     return snap, seq
 
 
-def test_steady_job_is_named_after_the_floor_not_the_ceiling(node_factory) -> None:  # noqa: F811
+def test_steady_job_is_named_after_the_floor_not_the_ceiling(node_factory) -> None:
     node = node_factory(2)
     snap = _poll(node)
     assert _threshold(snap) == defaults.STUCK_AFTER  # cold start
@@ -125,7 +125,7 @@ def test_steady_job_is_named_after_the_floor_not_the_ceiling(node_factory) -> No
     assert node.now - hung_at >= defaults.STUCK_FLOOR  # and not before
 
 
-def test_rank_restart_is_not_learned_as_a_pause(node_factory) -> None:  # noqa: F811
+def test_rank_restart_is_not_learned_as_a_pause(node_factory) -> None:
     node = node_factory(2)
     _steady(node, defaults.STUCK_MIN_SAMPLES + 5, 0)
     for _ in range(40):  # the job stops (rank 0 restarts, say): no progress, nothing in flight
@@ -161,7 +161,7 @@ def test_wall_clock_jumps_are_not_learned(tmp_path: Path) -> None:
         node.close()
 
 
-def test_history_goes_with_the_ranks(node_factory) -> None:  # noqa: F811
+def test_history_goes_with_the_ranks(node_factory) -> None:
     node = node_factory(2)
     _steady(node, defaults.STUCK_MIN_SAMPLES + 5, 0)
     assert node.source._thresholds.samples(("job", "0")) > 0

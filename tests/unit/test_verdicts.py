@@ -1,11 +1,12 @@
-"""The verdict engine on synthetic rank states: who is blamed, who waits, and what the summary says."""
+"""The verdict engine on synthetic rank states: who is blamed, who waits, and what the summary says.
+
+Its e2e tests (a process started, or longer than about 1 s) are in tests/e2e/test_verdicts.py."""
 
 from __future__ import annotations
 
 import json
 import random
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,53 +24,10 @@ from frexporter.analysis import (
     evaluate,
     with_oldest_start,
 )
-from frexporter.model import RANK_DOWN, RANK_EXITED, RANK_OK, RANK_UNRESPONSIVE, InflightCollective, PGState, RankState
+from frexporter.model import RANK_DOWN, RANK_EXITED, RANK_UNRESPONSIVE, InflightCollective, RankState
+from tests.fakes.rank_states import NODE, NOW, TP, WORLD4, entry, idle, pg, rank, tp_missing_rank_3, waiting
 
-NOW = 1_800_000_000.0
-TP = "2c4f9ab1e0d3"  # a hashed subgroup name, shown shortened as 2c4f…
-NODE = VerdictConfig(stuck_after=60.0)
 WHOLE_JOB = VerdictConfig(stuck_after=60.0, complete_view=True)
-
-
-def entry(seq: int, age: float, op: str = "all_reduce", timeout: float | None = 600.0,
-          ins: tuple[tuple[int, ...], ...] = ((4,),), outs: tuple[tuple[int, ...], ...] | None = None,
-          dtype: str = "Float", out_dtype: str | None = None) -> InflightCollective:
-    return InflightCollective(seq=seq, op=op, created=NOW - age, timeout_seconds=timeout,
-                              input_sizes=ins, input_dtypes=(dtype,),
-                              output_sizes=ins if outs is None else outs, output_dtypes=(out_dtype or dtype,))
-
-
-def pg(name: str, ranks: tuple[int, ...], enqueued: int, completed: int,
-       inflight: tuple[InflightCollective, ...] = (), desc: str = "", exact: bool = True,
-       has_p2p: bool = False) -> PGState:
-    return PGState(name=name, desc=desc, ranks=ranks, backend="nccl", last_enqueued=enqueued, last_started=-1,
-                   last_completed=completed, inflight=inflight, inflight_count=max(0, enqueued - completed),
-                   timeout_seconds=600.0, last_progress=NOW - 3600, exact=exact, has_p2p=has_p2p)
-
-
-def waiting(name: str, ranks: tuple[int, ...], seq: int, age: float, desc: str = "", **kw: object) -> PGState:
-    """A rank in flight at ``seq`` (everything before it completed)."""
-    return pg(name, ranks, seq, seq - 1, (entry(seq, age, **kw),), desc=desc)  # type: ignore[arg-type]
-
-
-def idle(name: str, ranks: tuple[int, ...], seq: int, desc: str = "") -> PGState:
-    """A rank that completed everything up to ``seq`` and enqueued nothing since."""
-    return pg(name, ranks, seq, seq, desc=desc)
-
-
-def rank(r: int, *pgs: PGState, status: str = RANK_OK, heartbeat_age: float = 1.0, job: str = "job",
-         socket_alive: bool | None = True, last_deep_read: float | None = None) -> RankState:
-    return RankState(job_id=job, rank=r, local_rank=r % 4, world_size=8, hostname=f"node{r // 4}", pid=1000 + r,
-                     torch_version="2.13.0", gpu_uuid=f"GPU-{r}", status=status, heartbeat=NOW - heartbeat_age,
-                     heartbeat_age=heartbeat_age, socket_alive=socket_alive, pgs=pgs, last_deep_read=last_deep_read)
-
-
-WORLD4 = (0, 1, 2, 3)
-
-
-def tp_missing_rank_3(age: float = 95.0) -> list[RankState]:
-    waiters = [rank(r, waiting(TP, WORLD4, 42, age, desc="tp")) for r in (0, 1, 2)]
-    return [*waiters, rank(3, idle(TP, WORLD4, 41, desc="tp"))]
 
 
 def with_rank3(status: str, heartbeat_age: float, **kw: object) -> list[RankState]:
@@ -499,79 +457,6 @@ def test_tracker_new_seq_is_a_new_verdict() -> None:
     moved = [rank(r, waiting(TP, WORLD4, 43, 95.0, desc="tp")) for r in (0, 1, 2)]
     update = tracker.update(evaluate([*moved, rank(3, idle(TP, WORLD4, 42))], NOW + 100, NODE), NOW + 100)
     assert [v.seq for v in update.appeared] == [43] and [v.seq for v in update.cleared] == [42]
-
-
-# --- property: never raise, blame only members, never blame a waiter ----------------------------------------
-
-PG_NAMES = ("0", "1", "2")
-OPS = ("all_reduce", "all_gather", "broadcast", "", "reduce_scatter")
-
-
-@st.composite
-def pg_states(draw: st.DrawFn, world: int) -> PGState:
-    name = draw(st.sampled_from(PG_NAMES))
-    members = tuple(sorted(draw(st.sets(st.integers(0, world - 1), max_size=world))))
-    completed = draw(st.integers(-1, 12))
-    enqueued = completed + draw(st.integers(-1, 3))
-    n = draw(st.integers(0, 3))
-    inflight = tuple(
-        InflightCollective(seq=completed + 1 + i, op=draw(st.sampled_from(OPS)),
-                           created=NOW - draw(st.floats(-10, 2000, allow_nan=False)),
-                           timeout_seconds=draw(st.sampled_from((None, 0.0, 600.0))),
-                           input_sizes=draw(st.sampled_from(((), ((4,),), ((5,),), ((),)))),
-                           input_dtypes=draw(st.sampled_from(((), ("Float",), ("Half",)))),
-                           output_sizes=draw(st.sampled_from(((), ((4,),), ((16,),), ((4,),) * 4))),
-                           output_dtypes=draw(st.sampled_from(((), ("Float",)))))
-        for i in range(n))
-    return PGState(name=name, desc=draw(st.sampled_from(("", "tp", "undefined"))), ranks=members, backend="gloo",
-                   last_enqueued=enqueued, last_started=-1, last_completed=completed, inflight=inflight,
-                   inflight_count=max(0, enqueued - completed), timeout_seconds=draw(st.sampled_from((None, 600.0))),
-                   last_progress=None, exact=draw(st.booleans()), has_p2p=draw(st.booleans()))
-
-
-@st.composite
-def rank_sets(draw: st.DrawFn) -> list[RankState]:
-    world = draw(st.integers(1, 6))
-    present = sorted(draw(st.sets(st.integers(0, world - 1), min_size=1)))
-    out = []
-    for r in present:
-        hb = draw(st.one_of(st.none(), st.floats(0, 500, allow_nan=False)))
-        out.append(RankState(job_id=draw(st.sampled_from(("job", "job", "other"))), rank=r, local_rank=r,
-                             world_size=world, hostname="h", pid=r, torch_version="2.13", gpu_uuid="",
-                             status=draw(st.sampled_from((RANK_OK, RANK_OK, RANK_DOWN, RANK_UNRESPONSIVE,
-                                                          RANK_EXITED, "weird"))),
-                             heartbeat=None if hb is None else NOW - hb, heartbeat_age=hb,
-                             socket_alive=draw(st.sampled_from((None, True, False))),
-                             pgs=tuple(draw(st.lists(pg_states(world), max_size=3)))))
-    return out
-
-
-def members_of(states: list[RankState], job: str, name: str) -> set[int]:
-    out: set[int] = set()
-    for s in states:
-        if s.job_id == job:
-            for p in s.pgs:
-                if p.name == name:
-                    out |= set(p.ranks) | {s.rank}
-    return out
-
-
-@pytest.mark.e2e
-@settings(max_examples=400, deadline=None)
-@given(rank_sets(), st.sampled_from((0.0, 60.0)), st.booleans())
-def test_property_culprits_are_members_and_never_waiters(states: list[RankState], stuck_after: float,
-                                                         complete: bool) -> None:
-    verdicts = evaluate(states, NOW, VerdictConfig(stuck_after=stuck_after, complete_view=complete))
-    for v in verdicts:
-        assert v.ranks, v
-        assert not set(v.ranks) & set(v.waiting_ranks), v
-        if v.pg:
-            assert set(v.ranks) <= members_of(states, v.job_id, v.pg), v
-        else:
-            assert v.kind in (RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND)
-        assert v.summary.endswith(".")
-        json.dumps(v.to_json())
-    assert list(verdicts) == sorted(verdicts, key=lambda v: (v.job_id, v.pg, v.kind, v.ranks, v.seq))
 
 
 @st.composite

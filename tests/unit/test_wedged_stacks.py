@@ -1,11 +1,11 @@
 """A wedged rank's stack from py-spy (torch's ``pyspy_dump``): the parser on real py-spy output and on garbage, the
 activity it makes, and how the ranks source asks for it (once per wedge, never holding a poll, a few at a time).
-The live end-to-end test is tests/test_wedged_stacks_live.py."""
+The live end-to-end test is tests/e2e/test_wedged_stacks_live.py.
+
+Its e2e tests (a process started, or longer than about 1 s) are in tests/e2e/test_wedged_stacks.py."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,9 +18,9 @@ from frexporter.model import FRAMES_PYSPY, FRAMES_RECORDER, RANK_OK, RANK_UNRESP
 from frexporter.sources import pyspy
 from frexporter.sources.base import SourceError
 from frexporter.sources.rank_activity import next_activity
-from frexporter.sources.ranks import RanksConfig, RanksSource
 from tests import spoolgen
 from tests.harness import REPO, wait_for
+from tests.shared.wedged_stacks import OWN_SAMPLE, Rig, ScriptedWorker
 
 GOLDEN = REPO / "tests" / "golden" / "pyspy"
 # Real py-spy 0.4 output: torch's pyspy_dump answer for tests/workers/job.py's rank holding the GIL in C, and
@@ -30,7 +30,6 @@ WEDGED = (GOLDEN / "wedged.txt").read_bytes()
 DEEP = (GOLDEN / "deep.txt").read_bytes()
 NATIVE = (GOLDEN / "native.txt").read_bytes()
 COLOR = (GOLDEN / "color.txt").read_bytes()
-OWN_SAMPLE = ("idle", "/work/tests/workers/job.py", 47)
 
 
 def test_real_dumps_parse_to_the_main_threads_innermost_frames() -> None:
@@ -134,139 +133,6 @@ def test_wedged_text_and_since_across_sources() -> None:
 # ------------------------------------------------------------------ the ranks source, over real sockets
 
 
-class ScriptedWorker:
-    """A unix socket answering like torch's worker server: ``answers`` maps a handler to (HTTP status, body), or
-    to None for a handler that never answers. ``calls`` counts requests per handler; ``shared`` counts the
-    pyspy_dump requests open at once, over every worker that shares it."""
-
-    def __init__(self, path: Path, answers: dict[str, tuple[int, bytes] | None], shared: dict[str, int]) -> None:
-        self.answers = answers
-        self.calls: Counter[str] = Counter()
-        self.shared = shared
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen(16)
-        self.sock.settimeout(0.1)
-        self.threads: list[threading.Thread] = []
-        self.acceptor = threading.Thread(target=self._accept, daemon=True)
-        self.acceptor.start()
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self.threads.append(thread)
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                data += chunk
-            handler = data.split(b" ")[1].split(b"?")[0].rsplit(b"/", 1)[-1].decode()
-            with self.lock:
-                self.calls[handler] += 1
-                if handler == pyspy.HANDLER:
-                    self.shared["open"] += 1
-                    self.shared["most"] = max(self.shared["most"], self.shared["open"])
-            try:
-                answer = self.answers.get(handler, (404, b""))
-                if answer is None:
-                    self._hang(conn)
-                    return
-                status, body = answer
-                conn.sendall(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n" % (status, len(body)) + body)
-            except OSError:
-                pass  # the client gave up (an oversized answer, a timeout)
-            finally:
-                if handler == pyspy.HANDLER:
-                    with self.lock:
-                        self.shared["open"] -= 1
-
-    def _hang(self, conn: socket.socket) -> None:
-        """Answer nothing, until the client hangs up (as py-spy's handler thread would, a request at a time)."""
-        conn.settimeout(0.05)
-        while not self.stop.is_set():
-            try:
-                if not conn.recv(1):
-                    return
-            except TimeoutError:
-                continue
-
-    def close(self) -> None:
-        self.stop.set()
-        self.acceptor.join()
-        for thread in self.threads:
-            thread.join()
-        self.sock.close()
-
-
-class Rig:
-    """Wedged ranks (a stale snapshot, a live socket listing pyspy_dump) and a ranks source whose clocks a test can
-    move forward."""
-
-    def __init__(self, tmp: Path, answers: dict[str, tuple[int, bytes] | None], ranks: int = 1,
-                 handlers: tuple[str, ...] = ("ping", pyspy.HANDLER), **config: object) -> None:
-        self.tmp = tmp
-        self.offset = 0.0
-        self.shared = {"open": 0, "most": 0}
-        self.workers = []
-        for rank in range(ranks):
-            sock = spoolgen.own_socket("job", rank)
-            stem = spoolgen.write_rank(tmp, "job", rank, socket=sock, handlers=list(handlers), recorders=[])
-            self.wedge(rank, stem)
-            self.workers.append(ScriptedWorker(tmp / sock, answers, self.shared))
-        options: dict[str, object] = {"poll_interval": 0.2, "rank_timeout": 0.5, "wedged_stacks": True}
-        options.update(config)
-        self.config = RanksConfig(directory=str(tmp), **options)  # type: ignore[arg-type]
-        self.source = RanksSource(self.config, clock=lambda: time.time() + self.offset,
-                                  monotonic=lambda: time.monotonic() + self.offset)
-        self.errors: Counter[str] = Counter()
-        self.durations: list[float] = []
-
-    def wedge(self, rank: int, stem: str | None = None) -> None:
-        """A snapshot from long ago, with the rank's own last sample."""
-        stem = stem or spool.rank_stem("job", rank)
-        spool.write_json_atomic(str(self.tmp / (stem + spool.SNAPSHOT_SUFFIX)),
-                                spoolgen.snapshot(100000 + rank, when=1.0, stack=[list(OWN_SAMPLE)]))
-
-    def poll(self) -> dict[int, RankState]:
-        started = time.monotonic()
-        reading = self.source.collect()
-        self.durations.append(time.monotonic() - started)
-        self.errors.update(reason for reason, _ in reading.problems)
-        return {s.rank: s for s in reading.ranks or ()}
-
-    def calls(self) -> int:
-        return sum(w.calls[pyspy.HANDLER] for w in self.workers)
-
-    def close(self) -> None:
-        self.source.close()
-        for worker in self.workers:
-            worker.close()
-
-
-@pytest.fixture
-def rig(tmp_path: Path):
-    rigs: list[Rig] = []
-
-    def make(*args: object, **kw: object) -> Rig:
-        rigs.append(Rig(tmp_path / f"spool{len(rigs)}", *args, **kw))  # type: ignore[arg-type]
-        return rigs[-1]
-
-    yield make
-    for r in rigs:
-        r.close()
-
-
 def spied(r: Rig, rank: int = 0) -> RankState:
     return wait_for(lambda: (s := r.poll().get(rank)) and s.activity.frames_source == FRAMES_PYSPY and s,
                     timeout=10, what="py-spy's frames in the activity")
@@ -330,17 +196,6 @@ def test_off_without_the_flag_or_the_handler(rig) -> None:
     for _ in range(5):
         assert unlisted.poll()[0].status == RANK_UNRESPONSIVE
     assert unlisted.calls() == 0
-
-
-@pytest.mark.e2e
-def test_hung_py_spy_never_holds_a_poll_and_few_run_at_once(rig) -> None:
-    r = rig({"ping": (200, b"pong"), pyspy.HANDLER: None}, ranks=4, stack_timeout=1.0)
-    # Every wedged rank is asked in the end, at most MAX_CONCURRENT at a time; each fetch gives up at its timeout.
-    wait_for(lambda: r.poll() and r.errors["socket_timeout"] >= 4, timeout=20, what="every fetch timed out")
-    assert r.calls() == 4 and r.shared["most"] == pyspy.MAX_CONCURRENT
-    # A poll waits on pings (rank_timeout at most), never on py-spy (plus scheduling slack on a shared machine).
-    assert max(r.durations) < r.config.rank_timeout + 0.4, max(r.durations)
-    assert all(s.activity.frames_source == FRAMES_RECORDER for s in r.poll().values())
 
 
 # ------------------------------------------------------------------ evidence bundles

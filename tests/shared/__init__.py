@@ -1,0 +1,2 @@
+"""Helpers that more than one test module uses: ``tests/shared/X.py`` holds what both halves of a topic share,
+tests/unit/test_X.py and tests/e2e/test_X.py (and ``layering``, ``spool_exporter``: what other modules import)."""
