@@ -13,10 +13,13 @@ fi
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 if [ $# -eq 0 ]; then
   ./scripts/setup.sh --lowest
-  # The unit tests (pyproject.toml's e2e marker says which), and, whole, the modules that exercise the optional
-  # dependencies (prometheus-client's exposition, OpenTelemetry, bcrypt and PyYAML, ssl), whose tests start
-  # processes (openssl for certificates, the OTLP receiver, `frexporter serve`).
+  # The unit tests (tests/unit/, which tests/conftest.py leaves unmarked: -m "not e2e" is the same set), and
+  # the e2e halves of the modules that exercise the optional dependencies (prometheus-client's exposition,
+  # OpenTelemetry, bcrypt and PyYAML, ssl), whose tests start processes (openssl for certificates, the OTLP
+  # receiver, `frexporter serve`); their unit halves ran in the first command.
   .venv-lowest/bin/python -m pytest -q -p no:cacheprovider -m "not e2e"
-  .venv-lowest/bin/python -m pytest -q -p no:cacheprovider -m e2e tests/test_otlp.py tests/test_security.py \
-    tests/test_web_hostile.py tests/test_http_hardening.py tests/test_golden_metrics.py
+  .venv-lowest/bin/python -m pytest -q -p no:cacheprovider -m e2e tests/e2e/test_otlp.py tests/e2e/test_security.py \
+    tests/e2e/test_web_hostile.py tests/e2e/test_http_hardening.py tests/e2e/test_golden_metrics.py
+  # The recorder and live-rank tests once more, against the newest torch release (its pin is in that script).
+  ./scripts/test_newest_torch.sh
 fi

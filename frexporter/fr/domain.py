@@ -35,6 +35,12 @@ class DeepView:
     # Creation time of the newest completed collective: completion came no earlier. FR records no completion
     # time for gloo, so this is what a freshly started exporter can say about the last progress.
     completed_created: float | None = None
+    # The backend of its newest entry, as FR names it (``nccl``, ``gloo``, ``nccl2``); "" when unknown.
+    backend: str = ""
+    # Whether torch's raw ``last_completed_collective`` moves for this pg. The counters of a backend torch 2.15's
+    # FlightRecorderHook records without a completion hook never do (its entries are retired at issue, never
+    # "completed"): there the entries tell completion, and the raw counters never may.
+    raw_completes: bool = True
 
 
 def _inflight(entry: FrEntry) -> InflightCollective:
@@ -66,7 +72,8 @@ def translate(dump: FrDump) -> dict[int, DeepView]:
         timeout = timeouts[-1] / 1000.0 if timeouts else None
         if not collectives:
             views[pg_id] = DeepView(pg_id, name, desc, raw, raw.enqueued, raw.started, raw.completed, (),
-                                    any(e.is_p2p for e in entries), timeout, known=False)
+                                    any(e.is_p2p for e in entries), timeout, known=False,
+                                    backend=entries[-1].backend if entries else "")
             continue
         enqueued = max(e.collective_seq_id for e in collectives)
         pending = sorted((e for e in collectives if not e.done), key=lambda e: e.collective_seq_id)
@@ -76,6 +83,11 @@ def translate(dump: FrDump) -> dict[int, DeepView]:
             started_seqs = [e.collective_seq_id for e in collectives if e.state in ("started", "completed")]
             started = max(started_seqs) if started_seqs else raw.started
         has_p2p = any(e.is_p2p for e in entries) or raw.enqueued != enqueued
+        # A collective retired while the counter says none ever completed: a counter this backend does not keep
+        # (or, at most once, a read that fell between a retirement and the counter's update: then the values
+        # come from this read, until the next one). Retired, not merely "completed": stock NCCL's entries are
+        # completed a moment before its watchdog moves the counter, then retires them.
+        raw_completes = raw.completed >= 0 or not any(e.retired for e in collectives)
         views[pg_id] = DeepView(
             pg_id=pg_id,
             name=name,
@@ -90,5 +102,7 @@ def translate(dump: FrDump) -> dict[int, DeepView]:
             known=True,
             completed_created=max((e.time_created_ns / 1e9 for e in collectives
                                    if e.done and e.collective_seq_id <= completed), default=None),
+            backend=entries[-1].backend,
+            raw_completes=raw_completes,
         )
     return views

@@ -88,8 +88,17 @@ class FrEntry:
         return self.profiling_name.rsplit(":", 1)[-1]
 
     @property
+    def backend(self) -> str:
+        """The backend that recorded it, as ``profiling_name`` names it before the op: ``nccl``, ``gloo``, torch
+        2.15's ``nccl2``; "" where it names none."""
+        head, colon, _ = self.profiling_name.rpartition(":")
+        return head if colon else ""
+
+    @property
     def done(self) -> bool:
-        # NCCL marks completion in ``state``; gloo only retires (a timed-out gloo op is retired too).
+        # NCCL marks completion in ``state``; gloo only retires (a timed-out gloo op is retired too), and so do
+        # the backends torch 2.15's FlightRecorderHook records without a completion hook: retired as soon as
+        # issued, never "completed", no duration.
         return self.state == "completed" or self.retired
 
 

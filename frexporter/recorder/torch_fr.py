@@ -53,24 +53,51 @@ def available_recorders() -> tuple[str, ...]:
     return tuple(found)
 
 
-# The recorder that keeps a backend's entries: NCCL has its own on CUDA builds; gloo's go to the generic one.
-_BACKEND_RECORDERS = {"nccl": spool.RECORDER_NCCL, "gloo": spool.RECORDER_FR}
+def backend_recorder(backend: str) -> str | None:
+    """The recorder that keeps a backend's entries: stock NCCL (``nccl``, ``nccl-legacy``) has its own on CUDA
+    builds; gloo's go to the generic one, and so do those of an NCCL-family backend that torch records through its
+    FlightRecorderHook (``nccl2``, what ``nccl`` builds from torch 2.15: pytorch#189363, #190738). None for a
+    backend not known here."""
+    name = backend.strip().lower()
+    if name == "gloo":
+        return spool.RECORDER_FR
+    if name in spool.NATIVE_NCCL_BACKENDS:
+        return spool.RECORDER_NCCL
+    if spool.is_nccl_backend(name):
+        return spool.RECORDER_FR
+    return None
 
 
 def recorders_in_use(available: tuple[str, ...], backends: Iterable[str]) -> tuple[str, ...]:
     """The available recorders that this rank's process groups (their backend configs, ``cuda:nccl``,
-    ``cpu:gloo,cuda:nccl``) can write to: each one read costs the snapshot a status call under the GIL, and an
-    NCCL-only job on a CUDA build would pay for an empty gloo recorder too. A backend not named here (ucc, mpi,
-    a custom one, or none given) keeps every available recorder, and so does a choice that would leave none
-    (a torch that records NCCL in the generic recorder)."""
+    ``cpu:gloo,cuda:nccl``, ``cuda:nccl2``) can write to: each one read costs the snapshot a status call under the
+    GIL, and an NCCL-only job on a CUDA build would pay for an empty gloo recorder too. A backend not known here
+    (ucc, mpi, a custom one, or none given) keeps every available recorder, and so does a choice that would leave
+    none (a torch that records NCCL in the generic recorder)."""
     needed = set()
     for config in backends:
         for part in config.split(","):
-            recorder = _BACKEND_RECORDERS.get(part.rsplit(":", 1)[-1].strip().lower())
+            recorder = backend_recorder(part.rsplit(":", 1)[-1])
             if recorder is None:
                 return available
             needed.add(recorder)
     return tuple(r for r in available if r in needed) or available
+
+
+def _backend_config(pg: Any, config: str, torch: Any) -> str:
+    """A PG's backend config (``cpu:gloo,cuda:nccl``) with each backend named as the backend torch built names
+    itself: from torch 2.15 ``nccl`` builds ProcessGroupNCCL2, which names itself ``nccl2`` and is recorded
+    elsewhere than stock NCCL (``recorders_in_use``). A part whose backend cannot be asked stays as it is."""
+    parts = []
+    for part in config.split(","):
+        device, colon, name = part.rpartition(":")
+        if colon and device:
+            with contextlib.suppress(Exception):
+                built = pg._get_backend(torch.device(device.strip())).name()
+                if isinstance(built, str) and built.strip():
+                    name = built.strip()
+        parts.append(f"{device}{colon}{name}")
+    return ",".join(parts)
 
 
 class StatusReader:
@@ -155,7 +182,7 @@ def pg_table() -> list[dict[str, Any]]:
     groups = []
     for index, (pg, name) in enumerate(list(c10d._world.pg_names.items())):
         ranks = sorted(int(r) for r in c10d._world.pg_group_ranks.get(pg, {}))
-        backend = str(c10d._world.pg_backend_config.get(pg, ""))
+        backend = _backend_config(pg, str(c10d._world.pg_backend_config.get(pg, "")), torch)
         local_ids: dict[str, int] = {spool.RECORDER_FR: index}
         uid = getattr(c10d, "_get_process_group_uid", None)
         if uid is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from frexporter.fr.trace import FrEntry
 from frexporter.model import DURATION_BUCKETS, CollectiveStats
+from frexporter.spool import NATIVE_NCCL_BACKENDS
 
 # Element size of torch's ScalarType names as FR writes them (``c10::toString``). Types that pack several
 # values into a byte (Float4_e2m1fn_x2, QUInt4x2, sub-byte ints) are left out: their element counts in
@@ -80,9 +81,13 @@ class EntryCursor:
 
     def _settled(self, entry: FrEntry) -> bool | None:
         """True: count it; False: never count it; None: not yet."""
-        if not self.nccl:
+        if not self.nccl or entry.backend not in ("", *NATIVE_NCCL_BACKENDS):
             # Gloo's only completion signal is retirement (torch 2.15 also marks it completed). A gloo op
-            # that timed out retires too: it is counted, there is no way to tell it apart.
+            # that timed out retires too: it is counted, there is no way to tell it apart. The same holds for
+            # what torch 2.15's FlightRecorderHook records (nccl2, custom backends; named so in profiling_name)
+            # wherever it lands: a backend without a completion hook has its entries retired at issue, never
+            # "completed" and without a duration; one with it (nccl2) retires them completed, and leaves a
+            # failed one unretired. Only stock NCCL retires a timed-out entry without completing it.
             return True if entry.retired or entry.state == "completed" else None
         if not entry.retired:
             return None  # the watchdog computes the duration when it retires the entry: wait for that

@@ -1,11 +1,13 @@
 """What an evidence bundle saves, read from the ranks: FR buffers of a verdict's ranks and the culprits' stacks.
 
 For a new verdict, every local rank of the verdict's PG (and every rank it names) is read over its worker-server
-socket: each recorder's whole FR buffer (C++, no GIL needed, so a wedged rank still answers) and, with stacks
-on, each culprit's Python stack (torch's ``pyspy_dump``, py-spy run as a child of the rank). Culprits first:
-when the capture's deadline cuts it short, theirs are the buffers that matter. Files are handed on one at a time
-as they are read (``outputs/evidence.py`` writes them), so a capture holds one answer at a time, never the
-whole bundle. What could not be read is reported through ``note(reason, message)``.
+socket: the whole FR buffer of each recorder its process groups use (C++, no GIL needed, so a wedged rank still
+answers; the recorders its manifest names, those its snapshot reads: ``RankState.handlers`` lists the FR handlers
+of those only, ``worker_handlers.handlers_in_use``) and, with stacks on, each culprit's Python stack (torch's
+``pyspy_dump``, py-spy run as a child of the rank). Culprits first: when the capture's deadline cuts it short,
+theirs are the buffers that matter. Files are handed on one at a time as they are read (``outputs/evidence.py``
+writes them), so a capture holds one answer at a time, never the whole bundle. What could not be read is reported
+through ``note(reason, message)``.
 """
 
 from __future__ import annotations

@@ -57,6 +57,18 @@ def trace_handlers(listed: Collection[str]) -> tuple[Handler, ...]:
     return tuple(h for h in BY_RECORDER.values() if h.name in listed)
 
 
+def handlers_in_use(listed: Collection[str], recorders: Collection[str]) -> tuple[str, ...]:
+    """The handlers a rank's manifest lists (``listed``: what its torch offers) less the FR handlers of recorders
+    it does not use (``recorders``, the manifest's: those its process groups write to, the ones its snapshot
+    reads). What reads a rank's FR rings follows the snapshot's rule: a gloo-only job on a CUDA build has an NCCL
+    recorder too, empty, and its evidence bundle must not hold it. A manifest that names no recorder says nothing
+    of them (a starting rank's lists no handler either): it keeps what it lists."""
+    if not recorders:
+        return tuple(listed)
+    unused = {h.name for h in BY_RECORDER.values() if h.recorder not in recorders}
+    return tuple(name for name in listed if name not in unused)
+
+
 def call(path: str, handler: Handler, timeout: float, max_bytes: int | None = None,
          trust: spool.Trust | None = None) -> bytes | bytearray:
     """``handler``'s answer from the rank behind socket ``path``, at most ``max_bytes`` (and never more than the

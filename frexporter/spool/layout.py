@@ -47,6 +47,19 @@ GROUP_SOCKET_MODE = 0o660
 RECORDER_FR = "fr"  # the generic recorder (gloo and others), ``_dump_fr_trace*``
 RECORDER_NCCL = "nccl"  # ``_dump_nccl_trace*`` in CUDA builds
 
+# Backend names (in a PG's backend config, ``cpu:gloo,cuda:nccl``, and before the colon of an FR entry's
+# ``profiling_name``) of the NCCL family: stock ProcessGroupNCCL names itself "nccl" (registered as "nccl", and
+# as "nccl-legacy" from torch 2.15); torch 2.15 makes "nccl" build ProcessGroupNCCL2, which names itself "nccl2"
+# (pytorch#192281), and records it through the backend-agnostic FlightRecorderHook (pytorch#189363, #192233)
+# rather than in the NCCL recorder; "nccl-lazy", and out-of-tree "ncclx", are NCCL too.
+NATIVE_NCCL_BACKENDS = frozenset({"nccl", "nccl-legacy"})  # stock ProcessGroupNCCL: its own recorder
+
+
+def is_nccl_backend(name: str) -> bool:
+    """Whether a backend name (``nccl``, ``nccl2``, ``NCCL``) is of the NCCL family: the PG's collectives run on
+    GPUs, the recorder to prefer where a PG has several."""
+    return name.strip().lower().startswith("nccl")
+
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 # torch keeps every counter, id and timestamp in 64 bits; a bigger number is garbage that would overflow
 # float() in the outputs, so the parsers refuse it here.

@@ -20,6 +20,7 @@ from frexporter.model import (
     PGState,
     RankState,
 )
+from frexporter.sources import worker_handlers
 from frexporter.spool import DEFAULT_SNAPSHOT_INTERVAL, Manifest, Snapshot
 
 
@@ -100,7 +101,8 @@ def rank_state(m: Manifest, snap: Snapshot | None, status: str, socket_alive: bo
         message=snap.message if snap is not None else "",
         last_deep_read=last_deep_read,
         socket=m.socket,
-        handlers=m.handlers,
+        # Only the FR handlers of the recorders its snapshot reads: an evidence bundle reads what they answer.
+        handlers=worker_handlers.handlers_in_use(m.handlers, m.recorders),
         state=m.state,
         start_time=m.start_time,
         node_ranks=m.launcher.node_ranks() if m.launcher is not None else (),

@@ -6,7 +6,7 @@ a new one out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from frexporter.fr.domain import DeepView
@@ -55,17 +55,21 @@ def pg_name(learned_ids: Mapping[str, Mapping[int, str]], manifest: Manifest, re
     return learned_ids.get(recorder, {}).get(pg_id) or predicted_name(manifest, recorder, pg_id)
 
 
-def choose(raw: Statuses, learned_ids: Mapping[str, Mapping[int, str]], manifest: Manifest
-           ) -> dict[str, tuple[str, int, RawPGStatus]]:
+def choose(raw: Statuses, learned_ids: Mapping[str, Mapping[int, str]], manifest: Manifest,
+           nccl_ids: Collection[tuple[str, int]] = ()) -> dict[str, tuple[str, int, RawPGStatus]]:
     """PG name -> (recorder, PG id, counters) of each named PG. NCCL's recorder is the one that sees GPU
-    collectives: it is preferred where a PG has both."""
+    collectives: it is preferred where a PG has both, and so is any (recorder, PG id) in ``nccl_ids``, those a
+    deep read found recorded by an NCCL-family backend elsewhere (torch 2.15's nccl2, whose entries torch's
+    FlightRecorderHook writes to a recorder of its own: spool.is_nccl_backend)."""
+    candidates = [(recorder, pg_id, status) for recorder in raw for pg_id, status in raw[recorder].items()]
+    candidates.sort(key=lambda c: (c[0] != RECORDER_NCCL and (c[0], c[1]) not in nccl_ids,
+                                   c[0] != RECORDER_NCCL))  # stable: each recorder's own order otherwise
     chosen: dict[str, tuple[str, int, RawPGStatus]] = {}
-    for recorder in sorted(raw, key=lambda r: r != RECORDER_NCCL):
-        for pg_id, status in raw[recorder].items():
-            name = pg_name(learned_ids, manifest, recorder, pg_id)
-            if name is None or name in chosen:
-                continue
-            chosen[name] = (recorder, pg_id, status)
+    for recorder, pg_id, status in candidates:
+        name = pg_name(learned_ids, manifest, recorder, pg_id)
+        if name is None or name in chosen:
+            continue
+        chosen[name] = (recorder, pg_id, status)
     return chosen
 
 
@@ -77,7 +81,7 @@ def pg_state(entry: PGEntry, recorder: str, status: RawPGStatus, deep: DeepView 
     if deep is not None and deep.known and deep.raw == status:
         enqueued, started, completed = deep.enqueued, deep.started, deep.completed
         inflight = deep.inflight
-    elif not has_p2p:
+    elif not has_p2p and (deep is None or deep.raw_completes):
         enqueued, started, completed = status.enqueued, status.started, status.completed
         if deep is not None:
             inflight = tuple(c for c in deep.inflight if completed < c.seq <= enqueued)
@@ -85,11 +89,14 @@ def pg_state(entry: PGEntry, recorder: str, status: RawPGStatus, deep: DeepView 
         assert deep is not None
         enqueued, started, completed = deep.enqueued, deep.started, deep.completed
         exact = False
-        # p2p traffic keeps torch's raw counters off the collective domain, so values stay as of the last
-        # deep read. Its in-flight entries are still in flight only while nothing completed since: once
-        # the rank completes anything, reporting them would show a finished collective waiting for ever
-        # longer (a phantom wait the desync alert would page on).
-        inflight = deep.inflight if status.completed == deep.raw.completed else ()
+        # p2p traffic keeps torch's raw counters off the collective domain, and a backend that keeps no
+        # completion counter (torch 2.15's FlightRecorderHook without a completion hook) leaves them
+        # meaningless, so values stay as of the last deep read. Its in-flight entries are still in flight
+        # only while nothing completed since: once the rank completes anything, reporting them would show a
+        # finished collective waiting for ever longer (a phantom wait the desync alert would page on). Without
+        # a completion counter, a rank that issued more since has issued those (they are retired at issue).
+        moved = status.completed != deep.raw.completed if deep.raw_completes else status.enqueued != deep.raw.enqueued
+        inflight = () if moved else deep.inflight
     inflight, seen = steady_ages(memory.seen_inflight, inflight, now, mono)
     last_progress = memory.last_progress
     if memory.last_completed is not None and completed != memory.last_completed:

@@ -29,7 +29,7 @@ from frexporter.sources.ranks.entries import EntryFeed
 from frexporter.sources.ranks.pg_state import predicted_name, snapshot_statuses
 from frexporter.sources.ranks.problems import Problems
 from frexporter.sources.ranks.track import PGTrack, RankTrack
-from frexporter.spool import Manifest
+from frexporter.spool import Manifest, is_nccl_backend
 
 # Socket failures after which a rank counts as having no live socket (a timeout means a wedged one).
 _SOCKET_GONE = (reasons.SOCKET_MISSING, reasons.SOCKET_REFUSED, reasons.SOCKET_UNTRUSTED)
@@ -236,6 +236,11 @@ class SocketScheduler:
             for pg_id, view in views.items():
                 if view.name:
                     ids[pg_id] = view.name
+                if view.backend:
+                    if is_nccl_backend(view.backend):
+                        track.nccl_ids.add((recorder, pg_id))
+                    else:
+                        track.nccl_ids.discard((recorder, pg_id))
                 name = ids.get(pg_id) or predicted_name(track.manifest, recorder, pg_id)
                 if name is None:
                     continue

@@ -104,8 +104,8 @@ class RanksSource:
     def _pg_states(self, track: RankTrack, raw: pg_state.Statuses, now: float, mono: float) -> tuple[PGState, ...]:
         table = {pg.name: pg for pg in track.manifest.process_groups}
         out = []
-        for name, (recorder, _pg_id, status) in sorted(pg_state.choose(raw, track.learned_ids,
-                                                                        track.manifest).items()):
+        for name, (recorder, _pg_id, status) in sorted(pg_state.choose(raw, track.learned_ids, track.manifest,
+                                                                        track.nccl_ids).items()):
             entry = table.get(name) or PGEntry(name=name, desc="", ranks=(), backend=recorder)
             pg = track.pgs.setdefault(name, PGTrack())
             state, memory = pg_state.pg_state(entry, recorder, status, pg.deep, pg.has_p2p, pg.memory, now, mono)

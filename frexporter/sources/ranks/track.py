@@ -55,6 +55,8 @@ class RankTrack:
     deep_mono: float | None = None  # the same moment on the monotonic clock (spacing decisions)
     deep_seconds: float | None = None  # how long the last deep read took (request to parsed answer)
     learned_ids: dict[str, dict[int, str]] = field(default_factory=dict)  # recorder -> pg id -> name
+    # (recorder, pg id) whose entries an NCCL-family backend recorded (pg_state.choose prefers them)
+    nccl_ids: set[tuple[str, int]] = field(default_factory=set)
     pgs: dict[str, PGTrack] = field(default_factory=dict)  # pg name -> track
     stack_pending: tuple[cf.Future, int] | None = None  # a py-spy fetch in flight, and its wedge
     stack_asked: float | None = None  # monotonic time of this wedge's last py-spy fetch
