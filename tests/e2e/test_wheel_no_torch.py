@@ -125,7 +125,7 @@ def test_dockerfile_shape() -> None:
     froms = [ins.args for ins in instructions if ins.name == "FROM"]
     assert len(froms) == 2 and froms[0].endswith(" AS build"), "multi-stage: build the wheel, then install it"
     args = {ins.args.partition("=")[0]: ins.args.partition("=")[2] for ins in instructions if ins.name == "ARG"}
-    assert args["PYTHON_IMAGE"] == "python:3.11-slim"
+    assert args["BASE_IMAGE"] == "python:3.11-slim"
     stage = final_stage(instructions)
     assert the(stage, "USER").args == "65532:65532"
     assert the(stage, "EXPOSE").args == "9477"
