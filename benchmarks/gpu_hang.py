@@ -82,10 +82,18 @@ def _wait(what: str, predicate: Callable[[], T | None], timeout: float) -> T:
         time.sleep(0.1)  # polling a condition with a deadline
 
 
-def probe_cost() -> str:
-    """What one CUDA stream query costs here, idle and with work pending (the probe's only CUDA call)."""
+def probe_check() -> list[str]:
+    """The recorder's probe against the real torch.cuda: no context before the process touched CUDA, an answer
+    while a kernel is pending, none once it is done; and what one stream query costs (its only CUDA call)."""
     import torch
 
+    from frexporter.recorder.cuda_probe import CudaProbe
+
+    errors: list[str] = []
+    probe = CudaProbe(lambda reason, e: errors.append(f"{reason}: {e!r}"))
+    before = [probe.sample(True) for _ in range(3)]
+    out = [f"probe before CUDA init: answers {before}, torch.cuda.is_initialized() = {torch.cuda.is_initialized()} "
+           "(must stay False: the probe creates no context)"]
     torch.cuda.set_device(0)
     torch.ones(1, device="cuda:0")
     stream = torch.cuda.default_stream(0)
@@ -97,11 +105,15 @@ def probe_cost() -> str:
         return (time.perf_counter() - start) / n * 1e6
 
     idle = statistics.median(per_call() for _ in range(5))
-    torch.cuda._sleep(int(2 * CLOCK_HZ))
+    torch.cuda._sleep(int(4 * CLOCK_HZ))
     pending = statistics.median(per_call() for _ in range(5))
-    assert not stream.query()
+    answer = _wait("a probe answer while a kernel is pending", lambda: probe.sample(True), 3)
     torch.cuda.synchronize()
-    return f"stream.query(): {idle:.2f} us idle, {pending:.2f} us with a kernel pending (median of 5 x 2000)"
+    after = _wait("no answer once the kernel is done", lambda: [probe.sample(True) for _ in range(3)][-1] == b"", 3)
+    probe.close()
+    out.append(f"probe with a kernel pending: {answer!r}; after synchronize: empty={after}; errors {errors}")
+    out.append(f"stream.query(): {idle:.2f} us idle, {pending:.2f} us with a kernel pending (median of 5 x 2000)")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     from frexporter.app import ServeConfig, build_app
 
     if not args.cpu_dry_run:
-        print(f"# {probe_cost()}")
+        for line in probe_check():
+            print(f"# {line}")
     work = Path(tempfile.mkdtemp(prefix="frexporter-gpu-hang-"))
     spool, control = work / "spool", work / "control"
     control.mkdir()
