@@ -19,7 +19,8 @@ import threading
 
 from frexporter import spool
 from frexporter.recorder import torch_fr
-from frexporter.recorder.publisher import Publisher, default_job_id
+from frexporter.recorder.environment import default_job_id
+from frexporter.recorder.publisher import Publisher
 
 __all__ = ["default_job_id", "install"]
 

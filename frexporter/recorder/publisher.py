@@ -16,12 +16,14 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from frexporter import reasons, safetext, spool
 from frexporter.model import STATE_EXITING, STATE_RUNNING, STATE_STARTING, STATE_STOPPED
 from frexporter.recorder import cuda_probe, torch_fr
+from frexporter.recorder.environment import default_job_id, env_int, held_by_other, launcher_facts
+from frexporter.recorder.stacks import _no_stack, stack_sampler, stacks_enabled
 
 log = logging.getLogger("frexporter.recorder")
 
@@ -38,21 +40,6 @@ PG_TABLE_CHECK_EVERY = 5
 # Each check is a module lookup and is_initialized(), under a microsecond (benchmarks/startup_death.py);
 # it stops once identified.
 IDENTIFY_POLL = 0.05
-# Launcher environment variables, per launcher, as the manifest's launcher fields (torchrun first).
-LAUNCHER_ENV: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    ("torchelastic", (("rank", "RANK"), ("local_rank", "LOCAL_RANK"), ("world_size", "WORLD_SIZE"),
-                      ("local_world_size", "LOCAL_WORLD_SIZE"), ("node_rank", "GROUP_RANK"),
-                      ("run_id", "TORCHELASTIC_RUN_ID"))),
-    ("slurm", (("rank", "SLURM_PROCID"), ("local_rank", "SLURM_LOCALID"), ("world_size", "SLURM_NTASKS"),
-               ("local_world_size", "SLURM_NTASKS_PER_NODE"), ("node_rank", "SLURM_NODEID"),
-               ("run_id", "SLURM_JOB_ID"))),
-)
-_LAUNCHER_TEXT_FIELDS = ("run_id",)
-# Encoded frames (per code object and instruction offset) the stack sampler keeps; past this it starts over (a
-# stalled rank's stacks touch a few hundred, a long-lived job may compile many more functions).
-STACK_CACHE_MAX = 16384
-
-
 class Publisher:
     def __init__(self, directory: str, job_id: str | None, interval: float) -> None:
         self.directory = directory
@@ -110,13 +97,13 @@ class Publisher:
                 return  # nothing to name the rank by, or install() came late: the first tick identifies it
             job_id = self.job_id_hint or default_job_id()
             stem = spool.rank_stem(job_id, rank)
-            if _held_by_other(os.path.join(self.directory, stem + spool.MANIFEST_SUFFIX)):
+            if held_by_other(os.path.join(self.directory, stem + spool.MANIFEST_SUFFIX)):
                 return  # a child of the rank (a spawned worker) inherits its environment, not its identity
             self._stem = stem
             self._map = spool.SnapshotMap(self._path(spool.SNAPSHOT_MAP_SUFFIX))
             self._manifest = {
                 "format": spool.MANIFEST_FORMAT, "job_id": job_id, "rank": rank,
-                "local_rank": self._launcher.get("local_rank", _env_int("LOCAL_RANK", -1)),
+                "local_rank": self._launcher.get("local_rank", env_int("LOCAL_RANK", -1)),
                 "world_size": self._launcher.get("world_size", 0), "pid": self._pid,
                 "hostname": safetext.from_environment(socket.gethostname()), "start_time": self.start_time,
                 "backends": [],
@@ -365,7 +352,7 @@ class Publisher:
             "format": spool.MANIFEST_FORMAT,
             "job_id": job_id,
             "rank": rank,
-            "local_rank": _env_int("LOCAL_RANK", -1),
+            "local_rank": env_int("LOCAL_RANK", -1),
             "world_size": dist.get_world_size(),
             "pid": os.getpid(),
             "hostname": safetext.from_environment(socket.gethostname()),
@@ -463,136 +450,3 @@ class Publisher:
                         reason, exc)
 
 
-def stacks_enabled(environ: Mapping[str, str]) -> bool:
-    """FREXPORTER_STACKS=0 (or false, no, off) turns the stack sampling off: activity is then ``unknown``
-    unless the rank is wedged or gone (no frame tells a collective from computing or waiting)."""
-    return environ.get("FREXPORTER_STACKS", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _no_stack() -> bytes:
-    return b""
-
-
-def stack_sampler(thread_id: int | None, count_error: Callable[[str, BaseException], None]
-                  ) -> Callable[[], bytes]:
-    """A function giving the stack of thread ``thread_id`` (the training thread) as the JSON items of the
-    snapshot's ``stack`` list: ``["function","file",line]`` per frame, innermost first, at most
-    ``spool.MAX_STACK_FRAMES``. Names and lines only: never a local or an argument.
-
-    It runs in the snapshot under the GIL, from cold caches, on every frame of a stalled rank's stack (up to
-    32 of them), so a frame must cost next to nothing: each frame's encoded item is kept per code object and
-    instruction offset (``f_lasti``), which fixes its line. A frame then costs two dictionary lookups; the
-    line table is decoded (``f_lineno``) only for an offset not seen before. The code objects are held so
-    that their ids are not reused. A failure is counted once and turns sampling off (an empty stack) rather
-    than costing every snapshot.
-    """
-    frames = sys._current_frames
-    limit, chars = spool.MAX_STACK_FRAMES, spool.MAX_FRAME_TEXT_CHARS
-    # id(code) -> (code, its encoded item as a format awaiting the line, {offset: encoded item})
-    cache: dict[int, tuple[Any, bytes, dict[int, bytes]]] = {}
-    size = 0  # items kept in all the offset maps
-    broken = False
-
-    def utf8(text: str) -> str:  # a file name that was not UTF-8 holds lone surrogates: the exporter refuses those
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-    def encode(code: Any) -> bytes:
-        name = utf8(getattr(code, "co_qualname", code.co_name))[:chars]
-        path = utf8(code.co_filename)[-chars:]  # the tail names the file; the head is the install prefix
-        return json.dumps([name, path]).encode()[:-1].replace(b"%", b"%%") + b",%d]"
-
-    def sample() -> bytes:
-        nonlocal broken, size
-        if broken:
-            return b""
-        try:
-            frame = frames().get(thread_id)  # type: ignore[arg-type]
-            out: list[bytes] = []
-            add = out.append
-            while frame is not None:
-                code = frame.f_code
-                hit = cache.get(id(code))
-                if hit is None or hit[0] is not code:
-                    hit = cache[id(code)] = (code, encode(code), {})
-                lasti = frame.f_lasti
-                item = hit[2].get(lasti)
-                if item is None:
-                    if size >= STACK_CACHE_MAX:  # every code kept has an item: this bounds both
-                        cache.clear()
-                        size = 0
-                        hit = cache[id(code)] = (code, hit[1], {})
-                    item = hit[2][lasti] = hit[1] % (frame.f_lineno or 0)
-                    size += 1
-                add(item)
-                if len(out) >= limit:
-                    break
-                frame = frame.f_back
-            return b",".join(out)
-        except Exception as e:
-            broken = True
-            count_error(reasons.STACK_SAMPLE, e)
-            return b""
-
-    return sample
-
-
-def default_job_id() -> str:
-    for var in ("FREXPORTER_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "JOB_ID"):
-        value = os.environ.get(var)
-        if value and value != "none":
-            return safetext.from_environment(value)
-    return "default"
-
-
-def launcher_facts(environ: Mapping[str, str], count_error: Callable[[str, BaseException], None]) -> dict[str, Any]:
-    """The first launcher whose rank variable is set, as the manifest's ``launcher`` fields; a variable that
-    does not parse (not an integer, not UTF-8, too long) is dropped and counted, never raised."""
-    for kind, fields in LAUNCHER_ENV:
-        if fields[0][1] not in environ:
-            continue
-        out: dict[str, Any] = {"kind": kind}
-        for key, var in fields:
-            raw = environ.get(var)
-            if raw is None:
-                continue
-            try:
-                if len(raw) > spool.MAX_TEXT_CHARS:
-                    raise ValueError(f"{var} is {len(raw)} characters long")
-                raw.encode("utf-8")  # undecodable bytes arrive as lone surrogates
-                if key in _LAUNCHER_TEXT_FIELDS:
-                    out[key] = raw
-                else:
-                    # SLURM_NTASKS_PER_NODE may read "4(x2)": 4 tasks on each of 2 nodes.
-                    value = int(raw.split("(", 1)[0])
-                    if not 0 <= value <= spool.MAX_RANK:
-                        raise ValueError(f"{var} is out of range")
-                    out[key] = value
-            except (ValueError, UnicodeEncodeError) as e:
-                count_error(reasons.LAUNCHER_ENV, e)
-        return out
-    return {}
-
-
-def _held_by_other(manifest_path: str) -> bool:
-    """The manifest names a live process other than this one."""
-    try:
-        with open(manifest_path, "rb") as f:
-            pid = json.loads(f.read(spool.MAX_MANIFEST_BYTES)).get("pid")
-    except (OSError, ValueError, AttributeError):
-        return False
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # alive, another user's
-    return True
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ[name])
-    except (KeyError, ValueError):
-        return default

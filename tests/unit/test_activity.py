@@ -116,7 +116,7 @@ def test_recorder_stack_sample_is_bounded_and_parses() -> None:
     and a '%' in a name all come out as a stack the exporter accepts, cut to its bounds."""
     import threading
 
-    from frexporter.recorder.publisher import stack_sampler
+    from frexporter.recorder.stacks import stack_sampler
 
     errors: list[str] = []
     sample = stack_sampler(threading.get_ident(), lambda reason, e: errors.append(reason))
@@ -136,7 +136,8 @@ def test_recorder_stack_sample_is_bounded_and_parses() -> None:
 
 
 def test_stacks_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from frexporter.recorder.publisher import Publisher, stacks_enabled
+    from frexporter.recorder.publisher import Publisher
+    from frexporter.recorder.stacks import stacks_enabled
 
     assert stacks_enabled({}) and stacks_enabled({"FREXPORTER_STACKS": "1"})
     assert not any(stacks_enabled({"FREXPORTER_STACKS": v}) for v in ("0", "false", "No", " off "))
@@ -152,7 +153,7 @@ def test_recorder_stack_sample_lines_follow_the_frame(monkeypatch: pytest.Monkey
     at the first, reports each line; a cache that overflows starts over and still reports them right."""
     import threading
 
-    from frexporter.recorder import publisher
+    from frexporter.recorder import stacks
 
     def lines_of(sample: Callable[[], bytes]) -> list[int]:
         first = sample()  # three call sites of one code object, the last one sampled twice
@@ -162,6 +163,6 @@ def test_recorder_stack_sample_lines_follow_the_frame(monkeypatch: pytest.Monkey
 
     here = lines_of.__code__.co_firstlineno
     expected = [here + 1, here + 2, here + 3, here + 3]
-    assert lines_of(publisher.stack_sampler(threading.get_ident(), lambda reason, e: None)) == expected
-    monkeypatch.setattr(publisher, "STACK_CACHE_MAX", 2)
-    assert lines_of(publisher.stack_sampler(threading.get_ident(), lambda reason, e: None)) == expected
+    assert lines_of(stacks.stack_sampler(threading.get_ident(), lambda reason, e: None)) == expected
+    monkeypatch.setattr(stacks, "STACK_CACHE_MAX", 2)
+    assert lines_of(stacks.stack_sampler(threading.get_ident(), lambda reason, e: None)) == expected

@@ -13,7 +13,8 @@ import pytest
 from frexporter import spool
 from frexporter.analysis.verdicts import RANK_ABSENT, find_absent
 from frexporter.model import RANK_DOWN, RANK_OK, InflightCollective, PGState, RankState
-from frexporter.recorder.publisher import Publisher, launcher_facts
+from frexporter.recorder.environment import launcher_facts
+from frexporter.recorder.publisher import Publisher
 from frexporter.sources.ranks import RanksConfig, RanksSource
 
 STUCK = 2.0
