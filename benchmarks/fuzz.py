@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 from frexporter import safetext, spool
 from frexporter.analysis import history
-from frexporter.analysis.verdicts import VerdictConfig, evaluate, lagging_verdict, past_mismatch_verdict
+from frexporter.analysis.past_verdicts import lagging_verdict, past_mismatch_verdict
+from frexporter.analysis.verdicts import VerdictConfig, evaluate
 from frexporter.fr import trace
 from frexporter.fr.domain import translate
 from frexporter.postmortem import dumpfiles, prometheus, report

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from frexporter import spool
-from frexporter.analysis.verdicts import RANK_DOWN_KIND
+from frexporter.analysis.kinds import RANK_DOWN_KIND
 from frexporter.app import ServeConfig, build_app
 from tests.harness import Job, wait_for
 

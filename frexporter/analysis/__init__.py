@@ -10,8 +10,7 @@ a verdict), ``text`` (summary phrasing), ``verdicts`` (the public engine),
 
 from __future__ import annotations
 
-from frexporter.analysis.tracker import TrackerUpdate, VerdictKey, VerdictTracker, verdict_key
-from frexporter.analysis.verdicts import (
+from frexporter.analysis.kinds import (
     KINDS,
     MISMATCH_KIND,
     MISSING_RANK,
@@ -20,6 +19,9 @@ from frexporter.analysis.verdicts import (
     RANK_UNRESPONSIVE_KIND,
     STALLED,
     STRAGGLER,
+)
+from frexporter.analysis.tracker import TrackerUpdate, VerdictKey, VerdictTracker, verdict_key
+from frexporter.analysis.verdicts import (
     Verdict,
     VerdictConfig,
     analyze_snapshot,

@@ -31,6 +31,7 @@ from typing import Any
 
 from frexporter import defaults
 from frexporter.analysis import text
+from frexporter.analysis.absent import find_absent
 from frexporter.analysis.culprit_activity import with_activity
 from frexporter.analysis.findings import (
     Finding,
@@ -44,39 +45,31 @@ from frexporter.analysis.findings import (
 )
 from frexporter.analysis.gpu import gpu_facts
 from frexporter.analysis.graph import MISMATCH, PG, RANK, Cause, build, resolve
-from frexporter.analysis.history import Lag, PastMismatch
-from frexporter.analysis.matching import Mismatch
+from frexporter.analysis.kinds import (
+    MAX_DETAIL_RANKS,
+    MISMATCH_KIND,
+    MISSING_RANK,
+    NO_SEQ,
+    RANK_DOWN_KIND,
+    RANK_UNRESPONSIVE_KIND,
+    STALLED,
+    STRAGGLER,
+)
+from frexporter.analysis.past_verdicts import (
+    mismatch_evidence,
+    mismatch_text,
+)
 from frexporter.analysis.straggler import Straggler, StragglerConfig, find_stragglers
 from frexporter.model import (
     RANK_DOWN,
     RANK_OK,
     RANK_UNRESPONSIVE,
-    STATE_STARTING,
     InflightCollective,
     NodeSnapshot,
     PGState,
     RankState,
     Verdict,
 )
-
-MISSING_RANK = "missing_rank"
-MISMATCH_KIND = "mismatch"
-STALLED = "stalled"
-RANK_DOWN_KIND = "rank_down"
-RANK_UNRESPONSIVE_KIND = "rank_unresponsive"
-STRAGGLER = "straggler"  # a rank consistently late to a PG's collectives (PGState.lateness_seconds)
-# A rank its launcher started on this node that never published (never started, died before install(), its
-# recorder failed) or vanished, while its local peers wait for it in init_process_group or a collective.
-RANK_ABSENT = "rank_absent"
-KINDS = (MISSING_RANK, MISMATCH_KIND, STALLED, RANK_DOWN_KIND, RANK_UNRESPONSIVE_KIND, STRAGGLER, RANK_ABSENT)
-STARTING = STATE_STARTING  # RankState.state of a rank without a process group yet
-# Post-mortem only (`analyze DIR`, from whole dumps; see ``history``): not hangs, never live verdicts.
-PAST_MISMATCH = "past_mismatch"  # a collective that completed although its ranks disagreed on it
-LAGGING_RANK = "lagging_rank"  # a rank still at a collective its peers saw complete
-POST_MORTEM_KINDS = (PAST_MISMATCH, LAGGING_RANK)
-
-NO_SEQ = -1  # seq of a verdict that names no collective (a down rank nobody waits for yet)
-MAX_DETAIL_RANKS = 16  # per-rank evidence kept in details
 
 
 @dataclass(frozen=True)
@@ -281,77 +274,6 @@ class _Builder:
         return self.make(MISSING_RANK, summary, {"deadlock": edges, "cycle_ranks": sorted(in_cycle)})
 
 
-def mismatch_text(m: Mismatch, seq: int, pg: str, pg_desc: str, past: bool) -> str:
-    """'Rank 3 joined all_reduce #42 on PG 'tp' with input sizes [[5]] where ranks 0,1,2 have [[4]]'"""
-    culprits = text.who(m.culprits)
-    majority = text.who(m.majority, capital=False) if m.majority else "the other ranks"
-    on = f"on {text.pg_text(pg, pg_desc)}"
-    joined = "ran" if past else "joined"
-    if m.what == "op":
-        head = (f"{culprits} {'ran' if past else 'called'} {text.collective(m.found_op, seq)} {on} where "
-                f"{majority} {'ran' if past else 'called'} {m.op}")
-    elif m.what == "syntax":
-        head = f"{culprits} {joined} a malformed {text.collective(m.found_op, seq)}{m.where} {on}: " \
-               f"{m.found}, expected {m.expected}"
-    else:
-        verb = "had" if past else text.agree(m.majority, "has", "have") if m.majority else "have"
-        head = (f"{culprits} {joined} {text.collective(m.op, seq)}{m.where} {on} with {m.what} {m.found} where "
-                f"{majority} {verb} {m.expected}")
-    if m.no_majority:
-        head += " (no majority: as many ranks on each side, so either side may be the wrong one)"
-    return head
-
-
-def mismatch_evidence(m: Mismatch, entries: Mapping[str, Any]) -> dict[str, Any]:
-    evidence: dict[str, Any] = {"what": m.what, "expected": m.expected, "found": m.found,
-                                "majority_ranks": list(m.majority), "entries": entries}
-    if m.no_majority:
-        evidence["no_majority"] = True
-    return evidence
-
-
-def _entry_json(entry: InflightCollective) -> dict[str, Any]:
-    return {"op": entry.op, "input_sizes": [list(s) for s in entry.input_sizes],
-            "output_sizes": [list(s) for s in entry.output_sizes],
-            "input_dtypes": list(entry.input_dtypes), "output_dtypes": list(entry.output_dtypes)}
-
-
-def past_mismatch_verdict(p: PastMismatch) -> Verdict:
-    """A collective that completed although its ranks disagreed on it: not a hang, its results are suspect."""
-    m, g = p.mismatch, p.group
-    head = mismatch_text(m, p.seq, g.name, g.desc, past=True)
-    summary = (f"{head}. It completed anyway (the backend did not check this), so its results are suspect; "
-               f"not a hang.")
-    shown = [*m.culprits[:MAX_DETAIL_RANKS], *m.majority[:1]]
-    evidence = mismatch_evidence(m, {str(r): _entry_json(p.entries[r]) for r in shown if r in p.entries})
-    return Verdict(kind=PAST_MISMATCH, job_id=g.job_id, pg=g.name, pg_desc=g.desc, ranks=m.culprits,
-                   waiting_ranks=(), seq=p.seq, op=m.op, since=None, age_seconds=None, timeout_seconds=None,
-                   budget_used=None, summary=summary, details={"mismatch": evidence, "pg_ranks": list(g.members)})
-
-
-def lagging_verdict(lag: Lag, now: float) -> Verdict:
-    """Ranks still at collectives their peers saw complete: not a hang by itself, a slow rank."""
-    g = lag.group
-    laggers = sorted(lag.behind)
-    worst = max(laggers, key=lambda r: (lag.behind[r], lag.ages[r]))
-    many = len(laggers) > 1
-    count = lag.behind[worst]
-    behind = f"{count} {'collective' if count == 1 else 'collectives'} behind"
-    if many:
-        behind = f"up to {behind} (rank {worst})"
-    where = "that rank's GPU, stream or host" if not many else "those ranks' GPUs, streams or hosts"
-    summary = (f"{text.who(laggers)} lagged on {text.pg_text(g.name, g.desc)}: "
-               f"{text.agree(laggers, 'it is', 'they are')} still at {text.collective(lag.op, lag.seq)}, in flight "
-               f"for {text.seconds(now - lag.since)} at the dump, which {text.who(lag.peers, capital=False)} "
-               f"completed: {behind}. Not a hang by itself: look at {where}.")
-    details = {"behind": {str(r): lag.behind[r] for r in laggers}, "first_seq": {str(r): lag.first[r] for r in laggers},
-               "lag_seconds": {str(r): lag.ages[r] for r in laggers}, "completed_by": list(lag.peers),
-               "pg_ranks": list(g.members)}
-    return Verdict(kind=LAGGING_RANK, job_id=g.job_id, pg=g.name, pg_desc=g.desc, ranks=tuple(laggers),
-                   waiting_ranks=(), seq=lag.seq, op=lag.op, since=lag.since, age_seconds=now - lag.since,
-                   timeout_seconds=None, budget_used=None, summary=summary, details=details)
-
-
 def _gone_text(kind: str, rank: int, state: RankState | None, now: float) -> str:
     hb = wedged_seconds(state, now) if state is not None else None
     if kind == RANK_DOWN_KIND:
@@ -455,77 +377,6 @@ def evaluate(ranks: Iterable[RankState], now: float, config: VerdictConfig | Non
         verdicts = [_with_gpu_facts(v, states, gpus) for v in verdicts]
     verdicts = [with_activity(v, states, now, gpus) for v in verdicts]
     return tuple(sorted(verdicts, key=verdict_sort_key))
-
-
-MAX_EXPANDED_WORLD = 1 << 17  # a world size beyond any real job is not expanded into its ranks
-
-
-def find_absent_in_world(ranks: Iterable[RankState]) -> list[Verdict]:
-    """``rank_absent`` for a view that holds every reporting rank of a job (Prometheus): the ranks below the
-    job's world size that report nothing; every reporting rank that is up waits for them (or soon will)."""
-    jobs: dict[str, list[RankState]] = {}
-    for r in ranks:
-        jobs.setdefault(r.job_id, []).append(r)
-    out = []
-    for job_id, members in sorted(jobs.items()):
-        world = max(r.world_size for r in members)
-        if world > MAX_EXPANDED_WORLD:
-            continue
-        present = {r.rank for r in members}
-        absent = tuple(r for r in range(world) if r not in present)
-        if not absent:
-            continue
-        waiting = tuple(sorted(r.rank for r in members if r.up))
-        summary = text.absent_in_world(absent, job_id, len(present), world, waiting)
-        out.append(Verdict(kind=RANK_ABSENT, job_id=job_id, pg="", pg_desc="", ranks=absent, waiting_ranks=waiting,
-                           seq=NO_SEQ, op="", since=None, age_seconds=None, timeout_seconds=None,
-                           budget_used=None, summary=summary, details={"world_size": world}))
-    return out
-
-
-def find_absent(ranks: Iterable[RankState], now: float, stuck_after: float) -> list[Verdict]:
-    """``rank_absent``: per job, the ranks its launcher started on this node (``RankState.node_ranks`` of any
-    rank of it) that have no state here, while a present rank has waited for them ``stuck_after`` or more:
-    in init_process_group (state ``starting``), or in a collective of a PG that counts them among its members.
-    Without such a wait an absent rank is no hang (a rank that exited cleanly is dropped from the view too)."""
-    jobs: dict[str, list[RankState]] = {}
-    for r in ranks:
-        jobs.setdefault(r.job_id, []).append(r)
-    out = []
-    for job_id, members in sorted(jobs.items()):
-        present = {r.rank for r in members}
-        expected = {n for r in members for n in r.node_ranks}
-        absent = tuple(sorted(expected - present))
-        if not absent:
-            continue
-        waits: dict[int, float] = {}  # waiting rank -> since (unix seconds)
-        where: set[str] = set()
-        for r in members:
-            if not r.up:
-                continue
-            if r.state == STARTING and r.start_time > 0 and now - r.start_time >= stuck_after:
-                waits[r.rank] = r.start_time
-                where.add("init_process_group")
-                continue
-            for pg in r.pgs:
-                if pg.last_enqueued <= pg.last_completed or not any(a in pg.ranks for a in absent):
-                    continue
-                oldest = pg.oldest_inflight
-                since = oldest.created if oldest is not None else pg.last_progress
-                if since is not None and now - since >= stuck_after:
-                    waits[r.rank] = min(since, waits.get(r.rank, since))
-                    where.add("a collective")
-        if not waits:
-            continue
-        since = min(waits.values())
-        age = max(0.0, now - since)
-        waiting = tuple(sorted(waits))
-        summary = text.absent_on_node(absent, expected, waiting, age, where)
-        out.append(Verdict(kind=RANK_ABSENT, job_id=job_id, pg="", pg_desc="", ranks=absent, waiting_ranks=waiting,
-                           seq=NO_SEQ, op="", since=since, age_seconds=age, timeout_seconds=None,
-                           budget_used=None, summary=summary,
-                           details={"expected_ranks": sorted(expected), "waiting_in": sorted(where)}))
-    return out
 
 
 def analyze_snapshot(snapshot: NodeSnapshot, config: VerdictConfig | None = None) -> tuple[Verdict, ...]:

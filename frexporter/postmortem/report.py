@@ -12,19 +12,11 @@ from typing import Any
 
 from frexporter import defaults, safetext
 from frexporter.analysis import history
+from frexporter.analysis.absent import find_absent_in_world
 from frexporter.analysis.findings import Finding, FindingsConfig, waits_in_progress
-from frexporter.analysis.verdicts import (
-    LAGGING_RANK,
-    PAST_MISMATCH,
-    RANK_ABSENT,
-    Verdict,
-    VerdictConfig,
-    budget_left,
-    evaluate,
-    find_absent_in_world,
-    lagging_verdict,
-    past_mismatch_verdict,
-)
+from frexporter.analysis.kinds import LAGGING_RANK, PAST_MISMATCH, RANK_ABSENT
+from frexporter.analysis.past_verdicts import lagging_verdict, past_mismatch_verdict
+from frexporter.analysis.verdicts import Verdict, VerdictConfig, budget_left, evaluate
 from frexporter.fr import trace
 from frexporter.model import ACTIVITY_UNKNOWN, Activity, RankState
 from frexporter.postmortem import dumpfiles, prometheus

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from frexporter.analysis.verdicts import MISSING_RANK
+from frexporter.analysis.kinds import MISSING_RANK
 from frexporter.postmortem import report
 from tests.harness import REPO
 from tests.shared.analyze_dir_hostile import DEEP, SURROGATE_ESCAPE, dump_dir, write_file

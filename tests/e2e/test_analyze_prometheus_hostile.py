@@ -25,7 +25,7 @@ from unittest import mock
 
 import pytest
 
-from frexporter.analysis.verdicts import RANK_ABSENT
+from frexporter.analysis.kinds import RANK_ABSENT
 from frexporter.postmortem import prometheus, report
 from tests.shared.analyze_prometheus_hostile import (
     DEADLINE_S,
@@ -85,7 +85,7 @@ def test_a_server_that_drips_fails_the_query_at_its_deadline(where: str) -> None
 
 
 def test_analyze_gives_up_when_all_its_queries_take_longer_than_its_deadline() -> None:
-    # Each answer is complete and valid, and comes 0.4 s late: 17 queries would take 7 s.
+    # Each answer is complete and valid, and comes 0.4 s late: 19 queries would take 8 s.
     with serving(answer(vector([]), pause=0.4)) as url, \
             mock.patch.object(prometheus, "ANALYZE_TIMEOUT_SECONDS", DEADLINE_S):
         error, _ = within(DEADLINE_S + MARGIN_S, lambda: report.from_prometheus(url, "j"))

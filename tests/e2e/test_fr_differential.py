@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from frexporter.analysis.verdicts import LAGGING_RANK, MISSING_RANK, PAST_MISMATCH
+from frexporter.analysis.kinds import LAGGING_RANK, MISSING_RANK, PAST_MISMATCH
 from scripts import fr_compare
 from scripts.fr_compare import Comparison
 from tests import fr_cases

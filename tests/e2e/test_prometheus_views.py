@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from frexporter import naming as n
-from frexporter.analysis.verdicts import MISSING_RANK
+from frexporter.analysis.kinds import MISSING_RANK
 from frexporter.model import ACTIVITY_IN_COLLECTIVE
 from tests.harness import REPO, Job, require_module, wait_for
 from tests.promstack import SCALE, PromStack

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from frexporter.analysis.verdicts import RANK_ABSENT, RANK_DOWN_KIND
+from frexporter.analysis.kinds import RANK_ABSENT, RANK_DOWN_KIND
 from frexporter.model import RANK_OK
 from tests.harness import wait_for
 

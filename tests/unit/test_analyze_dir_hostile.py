@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from frexporter.analysis.verdicts import MISSING_RANK
+from frexporter.analysis.kinds import MISSING_RANK
 from frexporter.model import Verdict
 from frexporter.postmortem import dumpfiles, report
 from tests import fr_cases

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from frexporter.analysis import history
-from frexporter.analysis.verdicts import LAGGING_RANK, MISMATCH_KIND, MISSING_RANK, PAST_MISMATCH
+from frexporter.analysis.kinds import LAGGING_RANK, MISMATCH_KIND, MISSING_RANK, PAST_MISMATCH
 from frexporter.postmortem import report
 from scripts import fr_compare
 from scripts.fr_compare import Answer, Item

@@ -16,7 +16,9 @@ from unittest import mock
 import pytest
 
 from frexporter import safetext
-from frexporter.analysis.verdicts import MISSING_RANK, RANK_ABSENT, VerdictConfig, evaluate, find_absent_in_world
+from frexporter.analysis.absent import find_absent_in_world
+from frexporter.analysis.kinds import MISSING_RANK, RANK_ABSENT
+from frexporter.analysis.verdicts import VerdictConfig, evaluate
 from frexporter.model import RANK_DOWN, RANK_OK, RANK_UNRESPONSIVE
 from frexporter.postmortem import promseries, promview
 from frexporter.postmortem.promview import Query, rebuild

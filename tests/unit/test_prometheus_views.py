@@ -11,7 +11,8 @@ from typing import Any
 from unittest import mock
 
 from frexporter import naming as n
-from frexporter.analysis.verdicts import MISSING_RANK, RANK_ABSENT, VerdictConfig, evaluate
+from frexporter.analysis.kinds import MISSING_RANK, RANK_ABSENT
+from frexporter.analysis.verdicts import VerdictConfig, evaluate
 from frexporter.model import RANK_OK, RANK_UNRESPONSIVE
 from frexporter.postmortem import prometheus, promview, report
 from frexporter.postmortem.promview import Query
@@ -55,6 +56,9 @@ def _answers(samples: list[dict[str, Any]]) -> dict[Query, list[dict[str, Any]]]
         if q is Query.SCRAPED:  # like Prometheus: the name is dropped, the value is when the sample was scraped
             out[q] = [{"metric": {k: v for k, v in s["metric"].items() if k != "__name__"},
                        "value": [NOW, repr(s["_scraped"])]} for s in found]
+        elif q is Query.NODE_NOW:  # the node's clock at the poll, plus Prometheus' time since its scrape
+            out[q] = [{"metric": {k: v for k, v in s["metric"].items() if k != "__name__"},
+                       "value": [NOW, repr(float(s["value"][1]) + NOW - s["_scraped"])]} for s in found]
         else:
             out[q] = [{"metric": s["metric"], "value": s["value"]} for s in found]
     return out
@@ -134,6 +138,35 @@ def test_heartbeat_staleness_is_judged_at_the_scrape() -> None:
     ]
     status = {r.rank: r.status for r in _states(samples)}
     assert status == {0: RANK_OK, 1: RANK_UNRESPONSIVE}
+
+
+def _clock(instance: str, offset: float, scraped: float = NOW - 1) -> dict[str, Any]:
+    """An exporter's frexporter_poll_timestamp_seconds: its node's clock, ``offset`` ahead of Prometheus' and the
+    caller's, at a poll just before the scrape."""
+    return _sample(n.POLL_TIMESTAMP_SECONDS, scraped + offset, scraped, instance=instance)
+
+
+def test_analyze_prometheus_ages_each_node_s_timestamps_on_its_own_clock() -> None:
+    # node-a's clock is 120 s behind, node-b's 120 s ahead, and so is every timestamp each exports. Ranks 0 and
+    # 1 (node-b) wait in collective 8 since 40 s on node-b's clock; rank 2 (node-a) never enqueued it. Every
+    # heartbeat was half a second old at its poll. Taken against one clock, node-a's healthy rank was 120 s
+    # stale (unresponsive) and node-b's wait began in the future (no hang).
+    a, b = "node-a:9400", "node-b:9400"
+    samples = [_clock(a, -120), _clock(b, 120),
+               *_rank_series(0, 8, 7, instance=b, heartbeat=NOW + 120 - 1.5, oldest=NOW + 120 - 40),
+               *_rank_series(1, 8, 7, instance=b, heartbeat=NOW + 120 - 1.5, oldest=NOW + 120 - 40),
+               *_rank_series(2, 7, 7, instance=a, heartbeat=NOW - 120 - 1.5)]
+    with _served(samples), mock.patch("time.time", return_value=NOW):
+        found = report.from_prometheus("http://prometheus", "j", stuck_after=30)
+    ranks = {r.rank: r for r in found.ranks}
+    assert {rank: (r.status, r.heartbeat, r.heartbeat_age) for rank, r in ranks.items()} == dict.fromkeys(
+        (0, 1, 2), (RANK_OK, NOW - 1.5, 0.5))
+    assert ranks[0].pgs[0].inflight[0].created == NOW - 40  # on the caller's clock
+    assert [(v.kind, v.ranks) for v in found.verdicts] == [(MISSING_RANK, (2,))], found.verdicts
+    # A rank wedged on node-a: its heartbeat stopped 45 s before the poll, on node-a's clock.
+    wedged = [*samples[:-len(_rank_series(2, 7, 7))], *_rank_series(2, 7, 7, instance=a, heartbeat=NOW - 120 - 46)]
+    state = next(r for r in _states(wedged) if r.rank == 2)
+    assert (state.status, state.heartbeat_age) == (RANK_UNRESPONSIVE, 46)
 
 
 def test_analyze_prometheus_names_the_absent_ranks() -> None:

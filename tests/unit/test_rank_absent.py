@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from frexporter import spool
-from frexporter.analysis.verdicts import RANK_ABSENT, find_absent
+from frexporter.analysis.absent import find_absent
+from frexporter.analysis.kinds import RANK_ABSENT
 from frexporter.model import RANK_DOWN, RANK_OK, InflightCollective, PGState, RankState
 from frexporter.recorder.environment import launcher_facts
 from frexporter.recorder.publisher import Publisher

@@ -11,7 +11,7 @@ from pathlib import Path
 from frexporter import defaults, spool
 from frexporter.analysis import VerdictConfig, evaluate, make_analyzer
 from frexporter.analysis.findings import FindingsConfig, waits_in_progress
-from frexporter.analysis.verdicts import MISSING_RANK
+from frexporter.analysis.kinds import MISSING_RANK
 from frexporter.exporter import Exporter
 from frexporter.model import ACTIVITY_BUSY, ACTIVITY_IDLE, BUSY_HOLD_SECONDS, Activity, NodeSnapshot, RankState
 from frexporter.outputs.api import status_html, status_json

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from frexporter import spool
-from frexporter.analysis.verdicts import MISSING_RANK
+from frexporter.analysis.kinds import MISSING_RANK
 from frexporter.fr.domain import translate
 from frexporter.fr.trace import parse_dump, parse_entry
 from frexporter.postmortem import report
