@@ -69,6 +69,10 @@ class ServeConfig:
     docs/detection.md). ``evidence_stacks``: py-spy stacks (torch's pyspy_dump) of culprits in evidence bundles
     and of wedged ranks in their activity.
 
+    ``source_timeout``: the longest one source's collection may take, beyond the ``rank_timeout`` the ranks
+    source may spend waiting for wedged ranks; past it the source is down (reason ``timeout``), its last reading
+    served stale, and it is not called again until that call returns.
+
     ``web_config``: TLS and basic auth for every endpoint. ``debug_endpoints`` adds /api/v1/evidence.
     ``strict_permissions``: the ranks source stops reading (source down) while the spool is open to others,
     instead of warning. ``max_connections``: open HTTP connections at most; more are closed unserved.
@@ -82,6 +86,7 @@ class ServeConfig:
     stuck_floor: float = defaults.STUCK_FLOOR
     stuck_multiple: float = defaults.STUCK_MULTIPLE
     rank_timeout: float = defaults.RANK_TIMEOUT
+    source_timeout: float = defaults.SOURCE_TIMEOUT
     deep_interval: float = defaults.DEEP_INTERVAL
     sources: Collection[str] = DEFAULT_SOURCES
     per_rank_durations: bool = False
@@ -131,7 +136,10 @@ def build_app(config: ServeConfig) -> App:
         from frexporter.sources.nvml import NvmlSource
 
         polled.append((NvmlSource(), max(config.poll_interval, defaults.NVML_INTERVAL)))
-    exporter = Exporter(polled, poll_interval=config.poll_interval,
+    # The ranks source may wait rank_timeout for wedged ranks on top of its own work: a deadline that did not
+    # allow for it would call a node with one wedged rank hung.
+    exporter = Exporter(polled, poll_interval=config.poll_interval, source_timeout=config.source_timeout,
+                        timeouts={naming.SOURCE_RANKS: config.rank_timeout + config.source_timeout},
                         analyzer=make_analyzer(VerdictConfig(stuck_after=config.stuck_after)))
     evidence = None
     target = ""

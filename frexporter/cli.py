@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                             f"gaps between completions (default {defaults.STUCK_MULTIPLE:g})")
     serve.add_argument("--rank-timeout", type=_positive, default=defaults.RANK_TIMEOUT, metavar="SECONDS",
                        help=f"longest one rank's socket may take per poll (default {defaults.RANK_TIMEOUT})")
+    serve.add_argument("--source-timeout", type=_positive, default=defaults.SOURCE_TIMEOUT, metavar="SECONDS",
+                       help="longest one source's collection may take (a hung NVML call, a spool on a hung "
+                            "filesystem), the ranks source's on top of --rank-timeout: past it the source is down "
+                            "(reason timeout), its last reading is served stale, the poll goes on without it, and it "
+                            f"is not called again until that call returns (default {defaults.SOURCE_TIMEOUT:g})")
     serve.add_argument("--deep-interval", type=_non_negative, default=defaults.DEEP_INTERVAL, metavar="SECONDS",
                        help="least time between routine reads of a busy rank's Flight Recorder ring over its "
                             "socket, which feed collective bytes, durations and straggler scores; work that "
@@ -300,7 +305,7 @@ def serve_config(args: argparse.Namespace, web_config: WebConfig | None = None) 
     return ServeConfig(
         directory=args.dir or spool.default_dir(), host=host, port=port, poll_interval=args.poll_interval,
         stuck_after=args.stuck_after, stuck_floor=args.stuck_floor, stuck_multiple=args.stuck_multiple,
-        rank_timeout=args.rank_timeout, deep_interval=args.deep_interval,
+        rank_timeout=args.rank_timeout, source_timeout=args.source_timeout, deep_interval=args.deep_interval,
         sources=[info.name for info in SOURCES if getattr(args, f"source_{info.name}")],
         per_rank_durations=args.per_rank_durations, nvlink_per_link=args.nvlink_per_link,
         verdict_confirm_after=args.verdict_confirm_after, evidence_dir=args.evidence_dir,

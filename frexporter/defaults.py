@@ -2,7 +2,7 @@
 
 ``frexporter serve``'s flags and their help, ``app.ServeConfig`` and the config dataclasses (``RanksConfig``,
 ``VerdictConfig``, ``ThresholdConfig``, ``OtlpPusher``, ``MetricsServer``) read them from here, under these names
-and no others; the chart's values mirror them (tests/test_helm.py checks the rendered flags), and the docs quote
+and no others; the chart's values mirror them (tests/e2e/test_helm.py checks the rendered flags), and the docs quote
 the CLI's help. The recorder's own defaults stay with the format they belong to (``spool``).
 """
 
@@ -12,6 +12,10 @@ LISTEN = ":9477"  # HOST:PORT of the HTTP server (every interface); the chart's 
 POLL_INTERVAL = 1.0  # seconds between reads of the ranks, independent of scrapes
 STUCK_AFTER = 60.0  # seconds a collective may wait on missing ranks before it is a verdict (the learned ceiling)
 RANK_TIMEOUT = 2.0  # the longest one rank's socket may hold a poll
+# A source call that has not returned by then is abandoned: the source is down (reason "timeout"), its last reading
+# is served stale, and it is not called again until that call returns. The ranks source gets RANK_TIMEOUT more, which
+# it may wait for wedged ranks. Short enough that a hung NVML holds one poll for this at most.
+SOURCE_TIMEOUT = 5.0  # the longest one source's collection may take (the ranks source: on top of RANK_TIMEOUT)
 # A deep read of a full 2000-entry gloo ring costs its rank ~20 ms of CPU in torch's C++ worker server
 # (docs/recorder-cost.md): reads that only refresh values are spaced this far apart,
 DEEP_INTERVAL = 15.0  # least seconds between routine deep reads of one rank's Flight Recorder ring

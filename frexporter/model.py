@@ -133,7 +133,7 @@ ACTIVITY_STATES = (ACTIVITY_IN_COLLECTIVE, ACTIVITY_GPU_WAIT, ACTIVITY_BUSY, ACT
 # it was busy right before it hung).
 ACTIVITY_WAITING = (ACTIVITY_IN_COLLECTIVE, ACTIVITY_GPU_WAIT)
 # A rank seen busy this recently still counts as busy when judging patience (the node verdict, analyze and
-# FrexporterCollectiveDesync's max_over_time(...[1m]), which tests/test_rules.py holds to this): a rank whose
+# FrexporterCollectiveDesync's max_over_time(...[1m]), which tests/unit/test_rules.py holds to this): a rank whose
 # CPU use hovers at the busy line would otherwise flip between the busy ceiling and the learned threshold.
 BUSY_HOLD_SECONDS = 60.0
 
@@ -286,7 +286,9 @@ class RankState:
     message: str = ""
     last_deep_read: float | None = None
     socket: str = ""  # worker-server socket file name in the spool directory ("" when off)
-    handlers: tuple[str, ...] = ()  # worker-server handlers this rank's torch offers
+    # Worker-server handlers this rank may be asked: those its torch offers, less the FR readers of recorders its
+    # PGs do not use (sources/worker_handlers.handlers_in_use)
+    handlers: tuple[str, ...] = ()
     state: str = STATE_RUNNING  # its manifest's: STATE_STARTING or STATE_RUNNING
     start_time: float = 0.0  # unix seconds the recorder started in this rank
     # Global ranks its launcher started on this rank's node (this one included); () when it did not say.
@@ -374,6 +376,10 @@ class SourceStatus:
     errors_total: Mapping[str, int]  # reason -> count since start
     last_error: str = ""
     last_success: float | None = None
+    reason: str = ""  # while down: why (a frexporter.reasons value; "" where not known)
+    # While down with reason "timeout": the snapshot still carries the source's last good reading, from
+    # last_success, because its call has not returned.
+    stale: bool = False
 
 
 @dataclass(frozen=True)

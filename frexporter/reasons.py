@@ -7,7 +7,7 @@ whatever a hostile spool, socket or GPU does, and one failure is counted the sam
 ``(reason, message)`` problem a parser or source counts without failing.
 
 Each constant is named after its value (``LIMIT_TEXT = "limit_text"``) and says what it counts. A new reason is
-added here and to SECURITY.md's table of reasons; tests/test_reasons.py fails on a reason spelled as a literal
+added here and to SECURITY.md's table of reasons; tests/unit/test_reasons.py fails on a reason spelled as a literal
 anywhere else, and on one missing from the table. Changing a value renames a label value that dashboards and
 alerts may match: don't.
 """
@@ -83,7 +83,6 @@ INIT_FAILED = "init_failed"  # NVML's init failed for any other reason
 NOT_SUPPORTED = "not_supported"  # a reading this GPU model does not offer (not counted per field)
 GPU_LOST = "gpu_lost"  # a GPU fell off the bus or needs a reset
 NO_PERMISSION = "no_permission"  # NVML refused a call for lack of permission
-TIMEOUT = "timeout"  # an NVML call timed out
 INVALID_VALUE = "invalid_value"  # NVML returned a value that is not a number of the expected kind
 UNKNOWN = "unknown"  # any other NVML error
 
@@ -91,6 +90,9 @@ UNKNOWN = "unknown"  # any other NVML error
 
 EXPORT_FAILED = "export_failed"  # an OTLP push the collector refused or that could not reach it
 INTERNAL = "internal"  # a bug on our side: a source or an OTLP push raised something unexpected
+# Any source (--source-timeout: the call is abandoned, the source down and its last reading served stale until
+# it returns), or NVML itself answering NVML_ERROR_TIMEOUT.
+TIMEOUT = "timeout"  # a source that did not answer within its deadline, or an NVML call that timed out
 
 # ---------------------------------------------------------------- inside the rank
 # The reason label of frexporter_rank_recorder_errors_total. The recorder also counts a spool write's reason

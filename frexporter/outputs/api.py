@@ -1,4 +1,4 @@
-"""JSON status API and the human page: plain views of one NodeSnapshot.
+"""JSON status API, the human page and /healthz's text: plain views of one NodeSnapshot.
 
 Both are bounded for any spool content (the spool is untrusted): a list past its bound is cut and
 flagged, never silently; counts such as a PG's ``size`` stay whole.
@@ -211,11 +211,30 @@ def status_json(snap: NodeSnapshot) -> dict[str, Any]:
         "verdicts_total": len(snap.verdicts),
         "verdicts" + TRUNCATED: len(snap.verdicts) > MAX_LISTED_VERDICTS,
         "sources": [
-            {"source": s.name, "up": s.up, "duration_seconds": s.duration_seconds,
+            {"source": s.name, "up": s.up, "reason": s.reason, "stale": s.stale,
+             "last_success": s.last_success, "duration_seconds": s.duration_seconds,
              "errors_total": dict(s.errors_total), "last_error": s.last_error}
             for s in snap.sources
         ],
     }
+
+
+def health_text(snapshot: NodeSnapshot) -> str:
+    """/healthz's body while the poll loop runs: ``ok``, or ``degraded: NAMES`` and one line per source (or
+    output) that is down: its reason, and the age of the reading still served of it. Only our own names,
+    reasons and numbers: no source's message, which may quote the spool."""
+    down = [s for s in snapshot.sources if not s.up]
+    if not down:
+        return "ok\n"
+    lines = [f"degraded: {', '.join(s.name for s in down)}"]
+    for s in down:
+        line = f"{s.name}: down ({s.reason or 'error'})"
+        if s.stale and s.last_success is not None:
+            line += f", serving its reading from {max(0.0, snapshot.time - s.last_success):.0f}s ago"
+        elif s.last_success is not None:
+            line += f", last success {max(0.0, snapshot.time - s.last_success):.0f}s ago"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def _budget_text(v: Verdict) -> str:

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from frexporter.outputs import exposition
-from frexporter.outputs.api import status_html, status_json
+from frexporter.outputs.api import health_text, status_html, status_json
 from frexporter.outputs.evidence import list_evidence
 from frexporter.web.http_server import HttpServer
 from frexporter.web.selection import names_from_query
@@ -178,10 +178,12 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     def _healthz(self) -> None:
         exporter = self.server.exporter
-        age = time.time() - exporter.snapshot.time
-        # Healthy while the poll loop keeps producing snapshots; a wedged loop is worth a restart.
+        snapshot = exporter.snapshot
+        age = time.time() - snapshot.time
+        # Healthy (200) while the poll loop keeps producing snapshots: a wedged loop is worth a restart, a source
+        # that is down is not (a restart does not mend a GPU or a driver), so it is named in the body instead.
         if exporter.polls > 0 and age <= max(10.0, 5 * exporter.poll_interval):
-            self._send(200, b"ok\n", TEXT)
+            self._send(200, health_text(snapshot).encode(), TEXT)
         else:
             self._send(503, f"poll loop stale ({age:.0f}s since last poll)\n".encode(), TEXT)
 
