@@ -8,15 +8,12 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from frexporter import defaults, extras, naming, spool
+from frexporter import defaults, extras, spool
 from frexporter.analysis import VerdictConfig, make_analyzer
 from frexporter.exporter import Exporter
 from frexporter.outputs.evidence import EvidenceConfig, EvidenceWriter
 from frexporter.outputs.verdict_events import VerdictEvents
 from frexporter.sources import DEFAULT_SOURCES, SOURCES
-from frexporter.sources.base import Source
-from frexporter.sources.ranks import RanksConfig, RanksSource
-from frexporter.sources.thresholds import ThresholdConfig
 from frexporter.web.server import MetricsServer
 from frexporter.web.webconfig import WebConfig, check_debug_exposure
 
@@ -122,24 +119,10 @@ def build_app(config: ServeConfig) -> App:
         check_debug_exposure(config.host, config.web_config)
     if config.otlp_endpoint:
         extras.require(extras.OTLP, "--otlp-endpoint")
-    polled: list[tuple[Source, float]] = []
-    if naming.SOURCE_RANKS in config.sources:
-        ranks = RanksConfig(
-            directory=config.directory, poll_interval=config.poll_interval, rank_timeout=config.rank_timeout,
-            deep_interval=config.deep_interval, per_rank_durations=config.per_rank_durations,
-            strict_permissions=config.strict_permissions, wedged_stacks=config.evidence_stacks,
-            thresholds=ThresholdConfig(ceiling=config.stuck_after, floor=config.stuck_floor,
-                                       multiple=config.stuck_multiple),
-        )
-        polled.append((RanksSource(ranks), config.poll_interval))
-    if naming.SOURCE_NVML in config.sources:
-        from frexporter.sources.nvml import NvmlSource
-
-        polled.append((NvmlSource(), max(config.poll_interval, defaults.NVML_INTERVAL)))
-    # The ranks source may wait rank_timeout for wedged ranks on top of its own work: a deadline that did not
-    # allow for it would call a node with one wedged rank hung.
-    exporter = Exporter(polled, poll_interval=config.poll_interval, source_timeout=config.source_timeout,
-                        timeouts={naming.SOURCE_RANKS: config.rank_timeout + config.source_timeout},
+    built = {info.name: info.make(config) for info in SOURCES if info.name in config.sources}
+    exporter = Exporter([(b.source, b.interval) for b in built.values()], poll_interval=config.poll_interval,
+                        source_timeout=config.source_timeout,
+                        timeouts={name: b.deadline for name, b in built.items()},
                         analyzer=make_analyzer(VerdictConfig(stuck_after=config.stuck_after)))
     evidence = None
     target = ""

@@ -81,3 +81,28 @@ def test_nvlink_per_link_changes_the_nvlink_series(tmp_path: Path, per_link: boo
     has_link_label = any(f'{n.L_LINK}="1"' in line for line in lines)
     assert has_link_label is per_link
     assert lines
+
+
+def test_a_new_source_is_one_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """node_exporter's registerCollector: a row in SOURCES is the flag and the constructor; build_app names no
+    source."""
+    from frexporter import app as app_module
+    from frexporter.sources import BuiltSource, SourceInfo
+    from frexporter.sources.base import Reading
+
+    class Quiet:
+        name = "quiet"
+
+        def collect(self) -> Reading:
+            return Reading()
+
+        def close(self) -> None:
+            pass
+
+    row = SourceInfo("quiet", "a source that reads nothing", lambda s: BuiltSource(Quiet(), s.poll_interval, 1.5))
+    monkeypatch.setattr(app_module, "SOURCES", (*SOURCES, row))
+    app = build_app(ServeConfig(str(tmp_path), sources=(n.SOURCE_RANKS, "quiet"), evidence_dir=""))
+    try:
+        assert set(_sources(app.exporter)) == {n.SOURCE_RANKS, "quiet"}
+    finally:
+        app.exporter.stop()
