@@ -2,7 +2,7 @@
 
 ``reason`` is a short token from the fixed set in ``frexporter.reasons`` (it becomes the ``reason``
 label of ``frexporter_source_errors_total``), so a caller counts any of these failures the same way
-without converting one kind into another. Pass the constant, never a literal: tests/test_reasons.py
+without converting one kind into another. Pass the constant, never a literal: tests/unit/test_reasons.py
 fails on a literal.
 """
 

@@ -40,6 +40,10 @@ SOURCE_UP = PREFIX + "source_up"
 SOURCE_DURATION_SECONDS = PREFIX + "source_duration_seconds"
 SOURCE_ERRORS_TOTAL = PREFIX + "source_errors_total"
 SOURCE_LAST_SUCCESS_TIMESTAMP_SECONDS = PREFIX + "source_last_success_timestamp_seconds"
+# The node's clock when the exporter polled: the time every other series of the scrape was read at. The rules
+# take a node's timestamps (heartbeat, in-flight start) from this, never from Prometheus' time(), so that a
+# node whose clock is off neither pages nor hides a page (frexporter/rules/frexporter.rules.yml).
+POLL_TIMESTAMP_SECONDS = PREFIX + "poll_timestamp_seconds"
 # The HTTP server's own (outputs/http_metrics.py): connections closed unserved at the connection cap.
 HTTP_CONNECTIONS_REJECTED_TOTAL = PREFIX + "http_connections_rejected_total"
 

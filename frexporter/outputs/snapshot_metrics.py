@@ -55,6 +55,10 @@ class SnapshotCollector(Collector):
         build = GaugeMetricFamily(n.BUILD_INFO, "frexporter build information.", labels=[n.L_VERSION])
         build.add_metric([__version__], 1)
         yield build
+        poll = GaugeMetricFamily(n.POLL_TIMESTAMP_SECONDS, "Unix time, on this node's clock, of the poll that "
+                                 "every other series here comes from; a node timestamp's age is this minus it.")
+        poll.add_metric([], snap.time)
+        yield poll
         yield from self._sources(snap)
         yield from self._ranks(snap)
         yield from self._pgs(snap)

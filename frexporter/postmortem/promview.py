@@ -49,6 +49,8 @@ MAX_WORLD_SIZE = MAX_PG_MEMBERS  # a world_size label beyond any real job is not
 MAX_EXPANDED_MEMBERS = MAX_MANIFEST_MEMBERS
 _PLAIN = "{metric}{sel}"
 _BUSY_HOLD = f"max_over_time({{metric}}{{sel}}[{BUSY_HOLD_SECONDS:.0f}s])"
+# Per exporter (no job_id label): those that report one of the job's ranks.
+_OF_THE_JOB = f" and on (job, instance) {n.RANK_UP}{{sel}}"
 
 
 class Query(enum.Enum):
@@ -57,8 +59,16 @@ class Query(enum.Enum):
 
     UP = (n.RANK_UP, _PLAIN)
     HEARTBEAT = (n.RANK_HEARTBEAT_TIMESTAMP_SECONDS, _PLAIN)
-    # When each heartbeat was scraped: staleness is judged there, not at the query time.
+    # When each heartbeat was scraped (Prometheus' clock): staleness is judged there, not at the query time, for
+    # exporters without the poll series below (older ones).
     SCRAPED = (n.RANK_HEARTBEAT_TIMESTAMP_SECONDS, "timestamp({metric}{sel})")
+    # Each exporter's node clock at the poll its last scrape shows: a heartbeat's staleness is judged there, on
+    # the node's own clock.
+    POLL = (n.POLL_TIMESTAMP_SECONDS, "{metric}" + _OF_THE_JOB)
+    # And that clock now (the poll's, plus the time since the scrape on Prometheus' clock), as the rules take it:
+    # every timestamp of the node is moved onto the caller's clock by the difference, so that no node's clock
+    # offset (nor the caller's) ages anything.
+    NODE_NOW = (n.POLL_TIMESTAMP_SECONDS, "({metric} + time() - timestamp({metric}))" + _OF_THE_JOB)
     INFO = (n.RANK_INFO, _PLAIN)
     PG_INFO = (n.PG_INFO, _PLAIN)
     PG_TIMEOUT = (n.PG_TIMEOUT_SECONDS, _PLAIN)
@@ -90,6 +100,7 @@ Answers = Mapping[Query, list[Sample]]  # a query left out is one that returned 
 _PG_FIELDS = {Query.PG_ENQUEUED: "enqueued", Query.PG_COMPLETED: "completed", Query.PG_STARTED: "started",
               Query.PG_INFLIGHT: "inflight", Query.PG_OLDEST: "oldest", Query.PG_PROGRESS: "progress"}
 _COUNT_FIELDS = frozenset({"enqueued", "completed", "started", "inflight"})
+_TIME_FIELDS = frozenset({"oldest", "progress"})  # node timestamps
 PGKey = tuple[str, str]  # (job id, PG)
 ByRank = dict[RankKey, dict[Source, Sample]]
 
@@ -104,25 +115,33 @@ class JobView:
 
 
 def rebuild(answers: Answers, now: float, stale_after: float = STALE_HEARTBEAT_SECONDS) -> JobView:
-    """Every rank the answers name, as of the latest scrapes; ``now`` is when they were asked.
+    """Every rank the answers name, as of the latest scrapes; ``now`` is when they were asked, on the caller's
+    clock.
 
     A rank several exporters report (a sidecar and a node exporter, or two replicas) is read from the
     one with the freshest heartbeat only: mixing their series could combine one's seqs with the other's
-    in-flight start. A rank is unresponsive when its heartbeat was ``stale_after`` old already when
-    Prometheus last scraped it: judged at the query time instead, every healthy rank would look stale
-    whenever the scrape interval is longer than that.
+    in-flight start. A rank is unresponsive when its heartbeat was ``stale_after`` old already when its
+    exporter last polled (judged on the node's clock; for an older exporter, when Prometheus last scraped
+    it): judged at the query time instead, every healthy rank would look stale whenever the scrape interval
+    is longer than that.
+
+    Every node's timestamps (heartbeats, in-flight starts, progress, activity) are moved onto the caller's
+    clock by their exporter's offset (``now`` minus the node's clock now, Query.NODE_NOW), so that their ages
+    are the ones the node's own clock gives, whatever its offset; an older exporter's are taken as they are.
     """
     skipped = ps.Skipped()
     got = {q: ps.screened(answers.get(q, []), skipped) for q in Query}
     up, heartbeat, scraped, info = (ps.by_source(got[q]) for q in (Query.UP, Query.HEARTBEAT, Query.SCRAPED,
                                                                      Query.INFO))
+    polls = _per_exporter(got[Query.POLL])
+    offsets = {source: now - clock for source, clock in _per_exporter(got[Query.NODE_NOW]).items()}
     pg_samples = [(field_name, s) for q, field_name in _PG_FIELDS.items() for s in got[q]]
     chosen = _chosen(up, heartbeat, info, pg_samples)
 
     def pick(table: ByRank, key: RankKey) -> Sample | None:
         return table.get(key, {}).get(chosen[key])
 
-    pg_series = _pg_series(pg_samples, chosen, skipped)
+    pg_series = _pg_series(pg_samples, chosen, skipped, offsets)
     members, unexpanded = _members(pg_series, got[Query.PG_INFO], {key: pick(info, key) for key in chosen}, skipped)
     by_rank = _pg_states(pg_series, members, got)
     culprits = _culprit_activities(got[Query.VERDICT])
@@ -134,7 +153,9 @@ def rebuild(answers: Answers, now: float, stale_after: float = STALE_HEARTBEAT_S
         job, rank = key
         info_sample = pick(info, key)
         labels = info_sample["metric"] if info_sample is not None else {}
-        status, hb, age = _liveness(pick(up, key), pick(heartbeat, key), pick(scraped, key), now, stale_after)
+        offset = offsets.get(chosen[key], 0.0)
+        status, hb, age = _liveness(pick(up, key), pick(heartbeat, key), pick(scraped, key),
+                                    polls.get(chosen[key]), offset, now, stale_after)
         out.append(RankState(
             job_id=job, rank=rank, local_rank=ps.int_label(labels.get(n.L_LOCAL_RANK)),
             # A world left unexpanded (past MAX_EXPANDED_MEMBERS) is unknown: its absent ranks are not listed.
@@ -143,7 +164,8 @@ def rebuild(answers: Answers, now: float, stale_after: float = STALE_HEARTBEAT_S
             pid=ps.int_label(labels.get(n.L_PID)), torch_version=labels.get(n.L_TORCH_VERSION, ""),
             gpu_uuid=labels.get(n.L_GPU_UUID, ""), status=status, heartbeat=hb, heartbeat_age=age,
             socket_alive=None, pgs=tuple(by_rank.get(key, ())),
-            activity=_activity(pick(activity, key), culprits.get(key), now if key in busy_lately else None),
+            activity=_activity(pick(activity, key), culprits.get(key), now if key in busy_lately else None,
+                               offset),
         ))
     return JobView(ranks=tuple(out), problems=skipped.lines(), skipped_series=skipped.series)
 
@@ -167,18 +189,38 @@ def _chosen(up: ByRank, heartbeat: ByRank, info: ByRank, pg_samples: list[tuple[
     return {key: max(found, key=partial(freshness, key)) for key, found in sources.items()}
 
 
-def _liveness(up: Sample | None, heartbeat: Sample | None, scraped: Sample | None, now: float,
-              stale_after: float) -> tuple[str, float | None, float | None]:
-    """The rank's status, heartbeat and heartbeat age."""
-    hb = None if heartbeat is None else ps.value(heartbeat)
-    at = None if scraped is None else ps.value(scraped)
-    stale = None if hb is None else (now if at is None else at) - hb
+def _per_exporter(samples: list[Sample]) -> dict[Source, float]:
+    """A per-exporter series' value by exporter (a clock: Query.POLL, Query.NODE_NOW)."""
+    return {ps.source(s["metric"]): v for s in samples if (v := ps.value(s)) is not None}
+
+
+def _moved(timestamp: float | None, offset: float) -> float | None:
+    """A node's timestamp on the caller's clock; None where a hostile answer would make it no number."""
+    if timestamp is None:
+        return None
+    moved = timestamp + offset
+    return moved if math.isfinite(moved) else None
+
+
+def _liveness(up: Sample | None, heartbeat: Sample | None, scraped: Sample | None, poll: float | None,
+              offset: float, now: float, stale_after: float) -> tuple[str, float | None, float | None]:
+    """The rank's status, heartbeat (on the caller's clock) and heartbeat age. ``poll``: the node's clock at the
+    poll that read the heartbeat; ``scraped``: when Prometheus scraped it (an older exporter's only time)."""
+    raw = None if heartbeat is None else ps.value(heartbeat)
+    if raw is not None and poll is not None:
+        stale: float | None = poll - raw  # one clock: the node's
+    else:
+        at = None if scraped is None else ps.value(scraped)
+        stale = None if raw is None else (now if at is None else at) - raw
+    hb = _moved(raw, offset)
+    if hb is None:
+        stale = None
     status = RANK_OK
     if up is not None and ps.value(up) == 0:
         status = RANK_DOWN
     elif stale is not None and stale > stale_after:
         status = RANK_UNRESPONSIVE
-    # A wedged rank has not beaten since its heartbeat; a healthy one was that fresh at its scrape.
+    # A wedged rank has not beaten since its heartbeat; a healthy one was that fresh at its poll (or scrape).
     age = None if hb is None or stale is None else max(0.0, now - hb if status == RANK_UNRESPONSIVE else stale)
     return status, hb, age
 
@@ -209,9 +251,10 @@ def _pg_states(pg_series: dict[tuple[str, int, str], dict[str, Any]], members: d
 
 
 def _pg_series(pg_samples: list[tuple[str, Sample]], chosen: dict[RankKey, Source], skipped: ps.Skipped,
-               ) -> dict[tuple[str, int, str], dict[str, Any]]:
-    """(job, rank, PG) -> field -> value, from the chosen exporter of each rank; a seq or count that is not a
-    whole number (7.5, 1e300) is counted in ``skipped``, not cut to one."""
+               offsets: dict[Source, float]) -> dict[tuple[str, int, str], dict[str, Any]]:
+    """(job, rank, PG) -> field -> value, from the chosen exporter of each rank, timestamps on the caller's clock
+    (``offsets``); a seq or count that is not a whole number (7.5, 1e300) is counted in ``skipped``, not cut to
+    one."""
     pg_series: dict[tuple[str, int, str], dict[str, Any]] = defaultdict(dict)
     for field_name, s in pg_samples:
         labels = s["metric"]
@@ -223,6 +266,8 @@ def _pg_series(pg_samples: list[tuple[str, Sample]], chosen: dict[RankKey, Sourc
             skipped.add(f"series whose value is not a whole number from -1 to {ps.MAX_SEQ}",
                         f"{str(s['value'][1])[:EXAMPLE_CHARS]} of {labels.get('__name__', '?')[:EXAMPLE_CHARS]}")
             continue
+        if field_name in _TIME_FIELDS:
+            value = _moved(value, offsets.get(chosen[key], 0.0))
         pg_key = (*key, labels[n.L_PG])
         series = pg_series[pg_key]
         series[field_name] = value
@@ -230,15 +275,15 @@ def _pg_series(pg_samples: list[tuple[str, Sample]], chosen: dict[RankKey, Sourc
     return pg_series
 
 
-def _activity(sample: Sample | None, culprit: Activity | None, last_busy: float | None) -> Activity:
-    """The rank's activity from its exporter's activity series (state and since), with the function a
-    verdict of that state names; from the verdict alone where the exporter exports no activity (older).
-    ``last_busy``: a time within the busy hold when the series said busy in it."""
+def _activity(sample: Sample | None, culprit: Activity | None, last_busy: float | None, offset: float) -> Activity:
+    """The rank's activity from its exporter's activity series (state and since, moved onto the caller's clock by
+    ``offset``), with the function a verdict of that state names; from the verdict alone where the exporter
+    exports no activity (older). ``last_busy``: a time within the busy hold when the series said busy in it."""
     if sample is None or sample["metric"].get(n.L_STATE) not in ACTIVITY_STATES:
         return culprit or UNKNOWN_ACTIVITY
     state: str = sample["metric"][n.L_STATE]
     frames = culprit.frames if culprit is not None and culprit.state == state else ()
-    return Activity(state=state, frames=frames, since=ps.value(sample), last_busy=last_busy)
+    return Activity(state=state, frames=frames, since=_moved(ps.value(sample), offset), last_busy=last_busy)
 
 
 def _culprit_activities(samples: list[Sample]) -> dict[RankKey, Activity]:
@@ -318,7 +363,7 @@ def _expansions(world: dict[str, int], spanning: set[PGKey], reporting: dict[str
     for job in sorted(world, key=lambda j: (-reporting[j], j)):
         size = world[job]
         if size > MAX_WORLD_SIZE:
-            continue  # beyond any real job: expanded nowhere (verdicts.find_absent_in_world skips it too)
+            continue  # beyond any real job: expanded nowhere (absent.find_absent_in_world skips it too)
         if size > left:
             unexpanded.add(job)
             skipped.add(f"jobs whose absent ranks are not listed ({reason})", f"job {job[:EXAMPLE_CHARS]}",
