@@ -87,7 +87,12 @@ FIRING = 'alertstate="firing"'
 
 
 def age(timestamp: str) -> str:
-    return f"time() - {timestamp}"
+    """Seconds since a node's ``timestamp``, on that node's own clock (as the rules take every age: a node whose
+    clock is off shows true ages): its exporter's last poll time, plus the time since that scrape, minus it; an
+    exporter without the poll series (older) falls back to Prometheus' clock."""
+    poll = n.POLL_TIMESTAMP_SECONDS
+    return (f"(max by (job, instance) ({poll} + time() - timestamp({poll}) or on (job, instance) 0 * up + time()) "
+            f"- on (job, instance) group_right () {timestamp})")
 
 
 # Each activity state (label `state` of frexporter_rank_activity_since_timestamp_seconds): a number, for panels
