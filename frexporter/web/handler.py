@@ -17,11 +17,11 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
 
-from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.exposition import gzip_accepted
 
-from frexporter.outputs import exposition
 from frexporter.outputs.api import health_text, status_html, status_json
 from frexporter.outputs.evidence import list_evidence
+from frexporter.web import negotiation
 from frexporter.web.http_server import HttpServer
 from frexporter.web.selection import names_from_query
 
@@ -153,17 +153,18 @@ class RequestHandler(BaseHTTPRequestHandler):
         return wait <= 0
 
     def _metrics(self, query: str) -> None:
-        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-        if content_type.startswith("text/plain"):
-            encoder, content_type = exposition.encode, exposition.CONTENT_TYPE
-        gzipped = gzip_accepted(self.headers.get("Accept-Encoding", ""))
         names, problem = names_from_query(query)
-        if problem:
-            self._send(400, problem.encode(), TEXT)
+        fmt, format_problem = negotiation.format_from_query(query)
+        if problem or format_problem:
+            self._send(400, (problem or format_problem).encode(), TEXT)
             return
+        # Text 0.0.4 by frexporter's encoder to whoever accepts it (Prometheus does, after OpenMetrics): see
+        # web/negotiation.py.
+        encoder, content_type = negotiation.choose(self.headers.get("Accept", ""), fmt)
+        gzipped = gzip_accepted(self.headers.get("Accept-Encoding", ""))
         server = self.server
         body = server.renders.get(server.render_key(), names, content_type, gzipped, encoder)
-        headers = {"Vary": "Accept-Encoding"}
+        headers = {"Vary": "Accept, Accept-Encoding"}  # the format follows Accept, the encoding Accept-Encoding
         if gzipped:
             headers["Content-Encoding"] = "gzip"
         self._send(200, body, content_type, headers)
@@ -189,13 +190,14 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     def _send(self, code: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         headers = {**self.server.extra_headers, **(headers or {})}
-        # The access log, at debug level, says what was served: size, encoding and client.
+        # The access log, at debug level, says what was served: size, content type, encoding and client.
         log.debug(
-            '%s "%s" %d %d %s %r',
+            '%s "%s" %d %d "%s" %s %r',
             self.address_string(),
             self.requestline,
             code,
             len(body),
+            content_type,
             headers.get("Content-Encoding", "identity"),
             self.headers.get("User-Agent", "")[:100],
         )

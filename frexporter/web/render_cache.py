@@ -18,7 +18,8 @@ from prometheus_client.metrics_core import Metric
 from frexporter.web.selection import Names, select_samples
 
 # Cached /metrics renderings per snapshot: the OpenMetrics content type carries the version the client's Accept
-# header asked for, so the variants are the client's to choose.
+# header asked for (a client that accepts no text 0.0.4: web/negotiation.py), so the variants are the client's to
+# choose.
 MAX_CACHED_VARIANTS = 8
 # ``name[]`` selections kept per poll (each with up to MAX_CACHED_VARIANTS variants, all within
 # MAX_CACHED_SELECTED_BYTES): a dashboard's handful of selections renders once per poll however many ask.

@@ -4,7 +4,7 @@ Against a real ``frexporter serve`` on 127.0.0.1: half-sent requests (including 
 a time) are closed within 30 s while scrapes stay fast, connections over ``--web-max-connections`` are refused
 and counted, an HTTP/0.9 request line is answered at once, the listen backlog takes a burst of connections,
 and TLS handshakes that never finish are cut off. Then gzip, HEAD and ``name[]`` on /metrics, and a real
-Prometheus scraping with gzip.
+Prometheus scraping with gzip, served text 0.0.4 although it asks for OpenMetrics first.
 
 Its unit tests are in tests/unit/test_http_hardening.py.
 """
@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from frexporter import naming as n
+from frexporter.outputs import exposition
 from frexporter.web import server
 from tests import spoolgen
 from tests.harness import REPO, free_port, metrics, require_tool, sample, wait_for
@@ -338,7 +339,10 @@ def test_prometheus_scrapes_with_gzip(tmp_path: Path, promstack: PromStack) -> N
         assert [float(r["value"][1]) for r in up] == [1.0]
         # Both ranks' series came through (their value depends on the synthetic heartbeats' age).
         assert len(promstack.query(f'{n.RANK_UP}{{instance="127.0.0.1:{srv.port}"}}')) == 2
-        # The server's access log (debug level) names each response's encoding and client.
-        served = re.compile(r'"GET /metrics HTTP/1.1" 200 \d+ gzip \'Prometheus/')
+        # The server's access log (debug level) names each response's content type, encoding and client: Prometheus
+        # lists OpenMetrics first, and is served text 0.0.4 by frexporter's encoder (web/negotiation.py).
+        served = re.compile(r'"GET /metrics HTTP/1.1" 200 \d+ "([^"]*)" gzip \'Prometheus/')
         wait_for(lambda: served.search(srv.log.read_text(errors="replace")), timeout=10,
                  what="a gzip response to Prometheus in the access log")
+        content_types = set(served.findall(srv.log.read_text(errors="replace")))
+        assert content_types == {exposition.CONTENT_TYPE}, content_types
