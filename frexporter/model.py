@@ -294,6 +294,9 @@ class RankState:
     # Global ranks its launcher started on this rank's node (this one included); () when it did not say.
     node_ranks: tuple[int, ...] = ()
     activity: Activity = UNKNOWN_ACTIVITY
+    # Status RANK_DOWN after a clean exit (its goodbye snapshot): a rank that exited while local peers wait for it
+    # stays in the view as their culprit, where an exited rank is otherwise dropped (sources/ranks/liveness.held).
+    exited: bool = False
 
     @property
     def up(self) -> bool:

@@ -48,6 +48,9 @@ TOO_MANY_RANKS = "too_many_ranks"  # a rank file past the number of ranks tracke
 SOCKET_MISMATCH = "socket_mismatch"  # a manifest naming a socket that is not its own stem's; served without one
 SOCKET_UNTRUSTED = "socket_untrusted"  # a socket not connected to: a link, another owner, or a foreign peer
 UNSAFE_PERMISSIONS = "unsafe_permissions"  # a spool directory, rank file or socket others may write
+# Once per poll while it lasts (sources/ranks/space.py): ranks starting now cannot write their manifest, so none of them
+# is seen here, and the running ones count enospc.
+SPOOL_FULL = "spool_full"  # the spool's filesystem has under 1 MiB or 64 inodes free for unprivileged users
 
 # ---------------------------------------------------------------- a rank's worker socket
 

@@ -74,6 +74,14 @@ def never_joined(op: str, seq: int) -> str:
     return f"never joined {collective(op, seq)}"
 
 
+def exited_while(rank: int, host: str, waiting: Iterable[int], where: str) -> str:
+    """'Rank 1 (host h, pid 7) exited while ranks 0,2 wait in all_reduce #11 on PG 'default_pg' (0)'."""
+    values = sorted(set(waiting))
+    if not values:
+        return f"Rank {rank}{host} exited while its peers wait in {where}"
+    return f"Rank {rank}{host} exited while {who(values, capital=False)} {agree(values, 'waits', 'wait')} in {where}"
+
+
 def waited(ranks: Iterable[int], age: float | None, empty_subject: str | None = None) -> str:
     """'ranks 0,1 have waited 95s'; with no ranks, ``empty_subject`` (e.g. "they") waits instead."""
     values = sorted(set(ranks))

@@ -150,7 +150,8 @@ def _rank_evidence(rank: RankState | None, now: float) -> dict[str, Any]:
     if rank is None:
         return {}
     return {"hostname": rank.hostname, "pid": rank.pid, "status": rank.status,
-            "heartbeat_age_seconds": wedged_seconds(rank, now), "socket_alive": rank.socket_alive}
+            "heartbeat_age_seconds": wedged_seconds(rank, now), "socket_alive": rank.socket_alive,
+            "exited": rank.exited}
 
 
 def _entry_evidence(f: Finding, ctx: _Context, ranks: Iterable[int]) -> dict[str, Any]:
@@ -243,6 +244,14 @@ class _Builder:
     def rank_gone(self, kind: str) -> Verdict:
         r = self.cause.culprits[0]
         state = self.ctx.rank(self.f.job_id, r)
+        if state is not None and state.exited:
+            # It left the job cleanly (its Python returned, or called exit) before the collective its peers wait in.
+            hb = wedged_seconds(state, self.ctx.now)
+            summary = (f"{text.exited_while(r, _host(state), self.cause.waiting, self.where)}: a clean exit"
+                       f"{'' if hb is None else f' {text.seconds(hb)} ago'}, without completing it; "
+                       f"{text.waited(self.cause.waiting, self.age)}{text.also_blocking(self.blocked)}, "
+                       f"{text.budget(self.age, self.timeout)}.")
+            return self.make(kind, summary, _rank_evidence(state, self.ctx.now))
         summary = (f"{_gone_text(kind, r, state, self.ctx.now)}; {text.waited(self.cause.waiting, self.age)} "
                    f"for it in {self.where}{text.also_blocking(self.blocked)}, {text.budget(self.age, self.timeout)}.")
         return self.make(kind, summary, _rank_evidence(state, self.ctx.now))
@@ -276,6 +285,8 @@ class _Builder:
 
 def _gone_text(kind: str, rank: int, state: RankState | None, now: float) -> str:
     hb = wedged_seconds(state, now) if state is not None else None
+    if kind == RANK_DOWN_KIND and state is not None and state.exited:
+        return f"Rank {rank}{_host(state)} exited cleanly{f' {text.seconds(hb)} ago' if hb is not None else ''}"
     if kind == RANK_DOWN_KIND:
         last = f", last heartbeat {text.seconds(hb)} ago" if hb is not None else ""
         return f"Rank {rank}{_host(state)} is down (process gone{last})"

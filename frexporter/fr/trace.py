@@ -80,6 +80,8 @@ class FrEntry:
     output_dtypes: tuple[str, ...]
     # When a CPU thread first saw the start event done; 0 when unset (always for gloo, and NCCL without timing).
     time_discovered_started_ns: int = 0
+    # When a CPU thread (NCCL's watchdog) first saw the entry complete; 0 when unset (always for gloo).
+    time_discovered_completed_ns: int = 0
 
     @property
     def op(self) -> str:
@@ -237,6 +239,7 @@ def parse_entry(raw: Any, budget: _Budget | None = None) -> FrEntry:
         input_dtypes=_strs(raw.get("input_dtypes"), budget),
         output_dtypes=_strs(raw.get("output_dtypes"), budget),
         time_discovered_started_ns=max(0, _int(raw.get("time_discovered_started_ns"))),
+        time_discovered_completed_ns=max(0, _int(raw.get("time_discovered_completed_ns"))),
     )
 
 

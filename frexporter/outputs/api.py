@@ -97,6 +97,8 @@ def _rank_json(r: RankState, pgs: tuple[PGState, ...], now: float) -> dict[str, 
         "gpu_uuid": r.gpu_uuid,
         "up": r.up,
         "status": r.status,
+        # Down after a clean exit: held in view while local peers wait for it in a collective it never completed.
+        "exited": r.exited,
         # "starting": blocked in (or before) init_process_group for starting_seconds; "running" once it has a PG.
         "state": r.state,
         "starting_seconds": round(max(0.0, now - r.start_time), 3) if r.state == STATE_STARTING and r.start_time

@@ -132,7 +132,7 @@ class Publisher:
             try:
                 self._closed = True
                 with contextlib.suppress(Exception):  # at exit the disk may be full or the dir gone
-                    self._write_snapshot((), state=state, message="process exiting")
+                    self._write_snapshot(self._final_status(), state=state, message="process exiting")
                 self._map.close()  # a snapshot still under way finds its mapping gone and writes nothing
             finally:
                 self._write_lock.release()
@@ -143,6 +143,17 @@ class Publisher:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.directory, spool.socket_name(self._stem)))
             self._server = None
+
+    def _final_status(self) -> tuple[bytes, ...]:
+        """torch's counters as the rank leaves, for its last words: what its peers wait for that it never completed
+        is then known for certain (sources/ranks/liveness.held). Nothing where there is no process group (never
+        made, or destroyed) or torch fails to answer."""
+        try:
+            if self._status is None or self._world is None or not len(self._world.pg_names):
+                return ()
+            return self._status.read()
+        except Exception:
+            return ()
 
     @property
     def alive(self) -> bool:

@@ -139,7 +139,7 @@ def test_counters_only() -> None:
     assert (state.last_enqueued, state.last_completed, state.inflight_count, state.exact) == (12, 10, 2, True)
     assert state.inflight == () and state.timeout_seconds == 1800.0 and state.backend == "cpu:gloo"
     assert state.last_progress is None  # first sight, nothing to bound it with
-    assert memory == PGMemory(last_completed=10, last_progress=None, seen_inflight={})
+    assert memory == PGMemory(last_completed=10, last_progress=None, seen_inflight={}, watched_since=NOW)
 
 
 def test_the_deep_read_speaks_for_the_counters_it_saw() -> None:

@@ -400,6 +400,47 @@ elif scenario in ("gpu_spin", "async_spin"):
         if first:
             ready()
             first = False
+elif scenario == "early_exit":
+    # An uneven last batch: every rank runs JOB_STEPS all_reduces, then rank JOB_VICTIM has no batch left and
+    # exits cleanly (sys.exit: atexit runs, the recorder says goodbye), while the others enter one more
+    # all_reduce that it never joins. Its exit then waits for "release" (hold_exit).
+    import threading
+
+    if rank != victim:
+        # Blocked in the last all_reduce, deaf to "stop" on the main thread: this ends it at once.
+        threading.Thread(target=lambda: (idle(), os._exit(0)), daemon=True).start()
+    step_seconds = float(os.environ.get("JOB_STEP_SECONDS", "0.2"))  # the recorder publishes meanwhile
+    for _ in range(int(os.environ.get("JOB_STEPS", "3"))):
+        time.sleep(step_seconds)
+        dist.all_reduce(t)
+    if rank == victim:
+        import atexit
+
+        from frexporter.recorder import install as recorder
+
+        def hold_exit() -> None:
+            """The end of a slow interpreter exit, after the recorder's goodbye: the process and its gloo
+            connections stay until the test touches "release" (or "stop"). Gone, it would take them along and
+            gloo would abort its peers' wait at once, where NCCL's peers wait for their watchdog."""
+            deadline = time.monotonic() + float(os.environ.get("JOB_MAX_LIFETIME", "300"))
+            while time.monotonic() < deadline and not any(
+                    os.path.exists(os.path.join(control, name)) for name in ("release", "stop")):
+                time.sleep(0.05)
+
+        publisher = recorder()  # the one install() started: atexit runs the last registered first
+        if publisher is not None:
+            atexit.unregister(publisher.stop)
+        atexit.register(hold_exit)
+        if publisher is not None:
+            atexit.register(publisher.stop)
+        ready()
+        sys.exit(0)
+    ready()
+    try:
+        dist.all_reduce(t)  # the batch the victim does not have
+    except RuntimeError:
+        ready("aborted")  # gloo gave up once the victim's process (and its connections) went
+    idle()
 else:
     raise SystemExit(f"unknown scenario {scenario}")
 

@@ -26,6 +26,9 @@ class PGMemory:
     progress_mono: float | None = None  # the monotonic time of the last advance (or first sight): gap samples
     # (seq, created) of an in-flight entry -> its age in seconds and our monotonic time when first seen
     seen_inflight: Seen = field(default_factory=dict)
+    # The wall clock of the first sight: the live learner samples the PG from then on, a replay of the rank's
+    # FR ring (thresholds.history_samples) only what came before
+    watched_since: float | None = None
 
 
 def snapshot_statuses(snap: Snapshot | None) -> Statuses:
@@ -123,7 +126,8 @@ def pg_state(entry: PGEntry, recorder: str, status: RawPGStatus, deep: DeepView 
         exact=exact,
         has_p2p=has_p2p,
     )
-    return state, replace(memory, last_completed=completed, last_progress=last_progress, seen_inflight=seen)
+    return state, replace(memory, last_completed=completed, last_progress=last_progress, seen_inflight=seen,
+                          watched_since=now if memory.watched_since is None else memory.watched_since)
 
 
 def steady_ages(seen: Seen, inflight: tuple[InflightCollective, ...], now: float, mono: float

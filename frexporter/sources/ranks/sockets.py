@@ -29,6 +29,7 @@ from frexporter.sources.ranks.entries import EntryFeed
 from frexporter.sources.ranks.pg_state import predicted_name, snapshot_statuses
 from frexporter.sources.ranks.problems import Problems
 from frexporter.sources.ranks.track import PGTrack, RankTrack
+from frexporter.sources.thresholds import history_samples
 from frexporter.spool import Manifest, is_nccl_backend
 
 # Socket failures after which a rank counts as having no live socket (a timeout means a wedged one).
@@ -230,8 +231,12 @@ class SocketScheduler:
 
     def _absorb_deep(self, track: RankTrack, dumps: dict[str, trace.FrDump], now: float) -> None:
         track.deep_time = now
+        # PG name -> ((whether its entries are in the ring, whether NCCL's), its replayed history): one
+        # recorder's per PG, the one its state is judged by where there are several (pg_state.choose)
+        histories: dict[str, tuple[tuple[bool, bool], tuple[float, ...]]] = {}
         for recorder, dump in dumps.items():
             views = translate(dump)
+            by_pg: dict[int, list[trace.FrEntry]] | None = None
             ids = track.learned_ids.setdefault(recorder, {})
             for pg_id, view in views.items():
                 if view.name:
@@ -247,6 +252,15 @@ class SocketScheduler:
                 pg = track.pgs.setdefault(name, PGTrack())
                 pg.deep = view
                 pg.has_p2p = pg.has_p2p or view.has_p2p
+                prefer = (view.known, recorder == spool.RECORDER_NCCL or (recorder, pg_id) in track.nccl_ids)
+                if not pg.history_read and (name not in histories or prefer > histories[name][0]):
+                    if by_pg is None:
+                        by_pg = {}
+                        for entry in dump.entries:
+                            by_pg.setdefault(entry.pg_id, []).append(entry)
+                    period, lag = self._history_grid(track, pg.has_p2p or not view.raw_completes)
+                    histories[name] = (prefer, history_samples(by_pg.get(pg_id, ()), period,
+                                                               until=pg.memory.watched_since, lag=lag))
             track.deep_raw[recorder] = dict(dump.pg_status)
             missed = self._feed.absorb(track, recorder, dump)
             if missed:
@@ -258,6 +272,20 @@ class SocketScheduler:
                 self.log_once(track, SourceError(reasons.TEXT_REPAIRED, (
                     f"{track.stem}: {dump.repaired_text} strings of its {recorder} Flight Recorder answer were not "
                     "valid UTF-8; shown with U+FFFD in place of what could not be decoded")))
+        for name, (_prefer, samples) in histories.items():
+            pg = track.pgs[name]
+            pg.history_read, pg.seed = True, samples
+
+    def _history_grid(self, track: RankTrack, inexact: bool) -> tuple[float, float]:
+        """(period, lag) of the live learner's view of a PG's completed sequence (thresholds.history_samples):
+        it sees it once per poll, in counters up to a snapshot interval old; where p2p traffic (or a backend
+        without a completion counter) leaves only deep reads to move it, once per routine deep read, whose
+        spacing drifts by up to a poll."""
+        poll = self.config.poll_interval
+        if inexact:
+            return max(poll, routine_deep_interval(track.deep_seconds, self.config)), poll
+        interval = track.snapshot.interval if track.snapshot is not None else spool.DEFAULT_SNAPSHOT_INTERVAL
+        return poll, interval
 
     def log_once(self, track: RankTrack, err: FrexporterError) -> None:
         """Counted every time; logged once per rank and reason."""

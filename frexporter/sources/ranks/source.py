@@ -7,21 +7,23 @@ This module only orders one poll; each step has its own module:
 - ``sockets``: pings, deep reads and py-spy stacks on their pools, and what their answers tell;
 - ``entries``: FR entries to collective durations, bytes and lateness;
 - ``liveness`` and ``pg_state`` (pure): each rank's status and PGs, and the samples each PG's stuck threshold is
-  learned from (``sources/thresholds.py``).
+  learned from (``sources/thresholds.py``); a departed rank its live peers still wait for is held (``liveness.held``);
+- ``space`` (pure): whether the spool's filesystem has room for a rank to publish.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from frexporter import spool
-from frexporter.model import FRAMES_PYSPY, FRAMES_RECORDER, STATE_EXITING, PGState, RankState
+from frexporter import reasons, spool
+from frexporter.model import FRAMES_PYSPY, FRAMES_RECORDER, RANK_DOWN, RANK_EXITED, STATE_EXITING, PGState, RankState
 from frexporter.sources import rank_activity
 from frexporter.sources.base import Reading
-from frexporter.sources.ranks import liveness, pg_state
+from frexporter.sources.ranks import liveness, pg_state, space
 from frexporter.sources.ranks.config import RanksConfig
 from frexporter.sources.ranks.entries import EntryFeed
 from frexporter.sources.ranks.permissions import PermissionPolicy
@@ -39,7 +41,9 @@ class RanksSource:
     name = "ranks"
 
     def __init__(self, config: RanksConfig, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] | None = None) -> None:
+                 monotonic: Callable[[], float] | None = None,
+                 statvfs: Callable[[int], os.statvfs_result] = os.statvfs) -> None:
+        """``statvfs``: of the open spool directory, once per poll (a test passes the filesystem it wants)."""
         self.config = config
         self._clock = clock
         # Intervals (freshness, read spacing, grace) run on a monotonic clock so that a wall-clock jump
@@ -54,6 +58,8 @@ class RanksSource:
         self._feed = EntryFeed(self._ranks, per_rank=config.per_rank_durations, window=config.straggler_window)
         self._sockets = SocketScheduler(config, trust, self._problems, self._feed)
         self._thresholds = ThresholdLearner(config.thresholds)
+        self._statvfs = statvfs
+        self._spool_full = False  # as of the last poll: its start and end are logged, each poll counted
 
     def close(self) -> None:
         self._sockets.close()
@@ -69,15 +75,62 @@ class RanksSource:
             self._sockets.schedule(self._ranks.values(), mono,
                                    lambda track, name: self._spool.socket_usable(track, name, entries.get(name)))
             self._spool.permissions.settle()
+            self._check_space(dfd)
         self._sockets.settle(self._ranks.values(), self._clock, self._monotonic)
         tracks = sorted(self._ranks.values(), key=lambda t: (t.manifest.job_id, t.manifest.rank))
-        states = tuple(s for s in (self._rank_state(track, now, mono) for track in tracks) if s is not None)
+        states = self._states(tracks, now, mono)
         # A PG no exported rank lists any more (destroyed, its job gone) takes its history with it.
         self._thresholds.retain((s.job_id, pg.name) for s in states for pg in s.pgs)
         self._feed.retain(self._ranks.values())
         return Reading(ranks=states, collectives=self._feed.snapshot(), problems=tuple(self._problems.items))
 
-    def _rank_state(self, track: RankTrack, now: float, mono: float) -> RankState | None:
+    def _check_space(self, dfd: int) -> None:
+        """Count a spool the ranks cannot write to, once per poll while it lasts (a failed statvfs says nothing)."""
+        try:
+            short = space.shortage(self._statvfs(dfd))
+        except OSError:
+            return
+        if short is not None:
+            self._problems.count(reasons.SPOOL_FULL, f"{self.config.directory}: {short}")
+            if not self._spool_full:
+                log.warning("%s: %s (counted as reason=%s once per poll while it lasts)", self.config.directory,
+                            short, reasons.SPOOL_FULL)
+        elif self._spool_full:
+            log.info("%s: the spool's filesystem has room again", self.config.directory)
+        self._spool_full = short is not None
+
+    def _states(self, tracks: list[RankTrack], now: float, mono: float) -> tuple[RankState, ...]:
+        """The exported ranks: the live and recently dead ones, and the departed ones their live peers wait for."""
+        states: list[RankState] = []
+        departed: list[RankTrack] = []
+        for track in tracks:
+            status = self._judge(track, now, mono)
+            if liveness.exported(track.liveness, mono, self.config.departed_grace):
+                states.append(self._rank_state(track, status, now, mono))
+            elif track.liveness.departed_at is not None:
+                departed.append(track)
+        if not departed:
+            return tuple(states)
+        # A departed rank stays, down, while a live local peer waits for it: dropped, it would leave the peers
+        # waiting on nobody here ("stalled", the innocent waiters named). Only jobs with a wait are looked at.
+        waiting = {s.job_id for s in states if s.up and any(pg.last_enqueued > pg.last_completed for pg in s.pgs)}
+        held = False
+        for track in departed:
+            if track.manifest.job_id not in waiting:
+                continue
+            state = self._rank_state(track, RANK_DOWN, now, mono, keep_last=True)
+            snap = track.snapshot
+            final = snap is not None and snap.state == STATE_EXITING and bool(snap.status)
+            hold = liveness.held(state, final, (s for s in states if s.up))
+            if liveness.holds(track.liveness, hold, mono, self.config.departed_grace):
+                states.append(replace(state, exited=track.liveness.status == RANK_EXITED))
+                held = True
+        if held:
+            states.sort(key=lambda s: (s.job_id, s.rank))
+        return tuple(states)
+
+    def _judge(self, track: RankTrack, now: float, mono: float) -> str:
+        """The rank's status this poll (model.RANK_*), its liveness advanced."""
         m, snap = track.manifest, track.snapshot
         status = liveness.judge(exiting=snap is not None and snap.state == STATE_EXITING,
                                 stale=self._sockets.stale(track, mono), socket_alive=track.socket_alive,
@@ -87,9 +140,16 @@ class RanksSource:
         track.liveness = liveness.advance(track.liveness, status, mono)
         if not liveness.same_wedge(before, status):
             track.stack_asked = track.stack_frames = None  # py-spy is asked afresh; an earlier wedge's answer drops
-        if not liveness.exported(track.liveness, mono, self.config.departed_grace):
-            return None
+        return status
+
+    def _rank_state(self, track: RankTrack, status: str, now: float, mono: float,
+                    keep_last: bool = False) -> RankState:
+        """``keep_last``: a departed rank whose last snapshot carries no counters (a goodbye from an older
+        recorder) keeps the ones last judged."""
+        m, snap = track.manifest, track.snapshot
         raw = pg_state.judged_statuses(status, snap, track.deep_raw)
+        if keep_last and not raw:
+            raw = track.prev_raw
         pgs = self._pg_states(track, raw, now, mono)
         track.prev_raw = raw
         frames, source = (snap.stack if snap is not None else ()), FRAMES_RECORDER
@@ -114,6 +174,9 @@ class RanksSource:
             key = (track.manifest.job_id, state.name)
             for seconds in samples:
                 self._thresholds.observe(key, seconds)
+            if pg.seed is not None:  # the history before we watched, from the rank's first deep read
+                self._thresholds.seed(key, pg.seed)
+                pg.seed = None
             state = replace(state, stuck_threshold_seconds=self._thresholds.threshold(key),
                             stuck_ceiling_seconds=self._thresholds.config.ceiling,
                             normal_wait_seconds=self._thresholds.normal_wait(key))

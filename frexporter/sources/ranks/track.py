@@ -32,6 +32,8 @@ class PGTrack:
     deep: DeepView | None = None  # sockets: the PG as of the last deep read
     has_p2p: bool = False  # sockets: p2p traffic seen in some deep read
     memory: PGMemory = field(default_factory=PGMemory)  # source: what its state carries to the next poll
+    history_read: bool = False  # sockets: a deep read replayed its ring's history (thresholds.history_samples)
+    seed: tuple[float, ...] | None = None  # ... whose samples the source hands the learner once (seed), then None
 
 
 @dataclass
