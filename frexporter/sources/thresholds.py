@@ -154,7 +154,7 @@ class ThresholdLearner:
     def __init__(self, config: ThresholdConfig) -> None:
         self.config = config
         self._samples: dict[PGKey, deque[float]] = {}
-        self._cache: dict[PGKey, float] = {}
+        self._cache: dict[PGKey, tuple[float, float | None]] = {}
 
     def seed(self, key: PGKey, samples: Sequence[float]) -> None:
         """One rank's history of the PG from before the live learner watched it (``history_samples`` of the
@@ -179,15 +179,20 @@ class ThresholdLearner:
 
     def normal_wait(self, key: PGKey) -> float | None:
         """The PG's normal wait (the learned quantile of its samples); None until ``min_samples`` were seen."""
-        usable = [s for s in self._samples.get(key, ()) if math.isfinite(s) and s >= 0.0]
-        if len(usable) < max(1, self.config.min_samples):
-            return None
-        return quantile(usable, self.config.quantile)
+        return self._learned(key)[1]
 
     def threshold(self, key: PGKey) -> float:
+        return self._learned(key)[0]
+
+    def _learned(self, key: PGKey) -> tuple[float, float | None]:
+        """(threshold, normal wait), sorted once per PG per change of its samples: every rank of the PG asks
+        both on every poll (1,024 asks a poll at 64 ranks x 16 PGs)."""
         found = self._cache.get(key)
         if found is None:
-            found = self._cache[key] = stuck_threshold(self._samples.get(key, ()), self.config)
+            samples = self._samples.get(key, ())
+            usable = [s for s in samples if math.isfinite(s) and s >= 0.0]
+            normal = quantile(usable, self.config.quantile) if len(usable) >= max(1, self.config.min_samples) else None
+            found = self._cache[key] = (stuck_threshold(samples, self.config), normal)
         return found
 
     def samples(self, key: PGKey) -> int:
