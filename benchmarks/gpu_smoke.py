@@ -5,8 +5,10 @@
     python -m benchmarks.gpu_smoke --hung-gpu [--cpu-dry-run]   # 4 ranks on one GPU, one behind a hung kernel
 
 NVML: reads every GPU through ``PynvmlBackend``, prints the GPU families as
-Prometheus text, the series count per GPU, and how long ``collect()`` and
-rendering take (the exporter's CPU budget is 2% of a core at a 1 s poll).
+Prometheus text, the series count per GPU and the recovery action the driver
+asks for, and how long ``collect()`` and rendering take (the exporter's CPU
+budget is 2% of a core at a 1 s poll). A field the driver or the GPU does not
+have (the recovery action before driver 570) is absent, not a field error.
 
 NCCL (``--nccl``): starts a one-rank NCCL job with the recorder installed and
 ``FREXPORTER_NCCL_TIMING=1`` (so FR entries carry ``duration_ms``), runs an
@@ -48,7 +50,7 @@ from prometheus_client.core import Metric
 
 from benchmarks import gpu_hang
 from frexporter import naming as n
-from frexporter.model import GpuReading
+from frexporter.model import GpuReading, gpu_recovery_action_name
 from frexporter.outputs.gpu_metrics import gpu_metric_families
 from frexporter.sources.base import SourceError
 from frexporter.sources.nvml import NvmlSource, PynvmlBackend
@@ -97,8 +99,10 @@ def nvml_smoke(args: argparse.Namespace) -> int:
     print(f"# driver {reading.driver_version}, {len(reading.gpus)} GPUs", file=sys.stderr)
     for gpu in reading.gpus:
         state = "LOST" if gpu.lost else "ok"
+        recovery = "absent" if gpu.recovery_action is None else gpu_recovery_action_name(gpu.recovery_action)
         print(
-            f"#   gpu {gpu.index} {gpu.uuid} {gpu.name}: {state}, {per_gpu[str(gpu.index)]} series",
+            f"#   gpu {gpu.index} {gpu.uuid} {gpu.name}: {state}, {per_gpu[str(gpu.index)]} series, "
+            f"recovery action {recovery}",
             file=sys.stderr,
         )
     print(

@@ -404,6 +404,27 @@ class NodeSnapshot:
 
 NVLINK_ERROR_TYPES = ("replay", "recovery", "crc_flit", "crc_data")
 
+# What the driver says must be done to recover the GPU (NVML's nvmlDeviceGpuRecoveryAction_t, read as the field
+# NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, driver >= 570): NVML's code -> the `action` label value of
+# frexporter_gpu_recovery_action. A code not listed (a newer driver's) is GPU_RECOVERY_ACTION_UNKNOWN.
+GPU_RECOVERY_NONE = "none"
+GPU_RECOVERY_ACTIONS: Mapping[int, str] = MappingProxyType({
+    0: GPU_RECOVERY_NONE,
+    1: "gpu_reset",
+    2: "node_reboot",
+    3: "drain_p2p",
+    4: "drain_and_reset",
+    5: "recover_imex_domain",
+    6: "bus_reset",
+    7: "system_reboot",
+})
+GPU_RECOVERY_ACTION_UNKNOWN = "unknown"
+
+
+def gpu_recovery_action_name(code: int) -> str:
+    """The `action` label value of an NVML recovery action code."""
+    return GPU_RECOVERY_ACTIONS.get(code, GPU_RECOVERY_ACTION_UNKNOWN)
+
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
 
@@ -443,6 +464,8 @@ class GpuState:
     pcie_replays: int | None = None
     nvlink_errors: Mapping[tuple[int, str], int] | None = None
     xid_errors: Mapping[int, int] = field(default_factory=lambda: _EMPTY)
+    # NVML's recovery action code (GPU_RECOVERY_ACTIONS); None where the driver (< 570) or the GPU has none.
+    recovery_action: int | None = None
 
 
 @dataclass(frozen=True)

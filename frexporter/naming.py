@@ -122,6 +122,7 @@ L_DRIVER_VERSION = "driver_version"
 L_TYPE = "type"
 L_LINK = "link"
 L_XID = "xid"
+L_ACTION = "action"
 GPU_LABELS = (L_GPU, L_GPU_UUID)
 GPU_INFO = PREFIX + "gpu_info"
 GPU_LOST = PREFIX + "gpu_lost"
@@ -141,6 +142,9 @@ GPU_REMAPPED_ROWS_FAILED = PREFIX + "gpu_remapped_rows_failed"
 GPU_PCIE_REPLAY_TOTAL = PREFIX + "gpu_pcie_replay_total"
 GPU_NVLINK_ERRORS_TOTAL = PREFIX + "gpu_nvlink_errors_total"
 GPU_XID_ERRORS_TOTAL = PREFIX + "gpu_xid_errors_total"
+# What the driver asks for to recover the GPU (label `action`, model.GPU_RECOVERY_ACTIONS; one series per GPU,
+# the current action, value 1), absent where the driver (< 570) has no such field.
+GPU_RECOVERY_ACTION = PREFIX + "gpu_recovery_action"
 
 # Where the exporter runs (Kubernetes downward API); outputs/identity.py.
 EXPORTER_INFO = PREFIX + "exporter_info"

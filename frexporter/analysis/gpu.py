@@ -5,6 +5,7 @@ node (``GpuReading``) is matched by UUID, so only ranks on this node get GPU fac
 
 - the culprit's GPU is lost (fell off the bus) or reported Xid events (NVML delivers Xid events that happen
   after the exporter registered for them, so every one counted is new since the exporter started);
+- the driver asks for a recovery action (a GPU reset, a node reboot, a drain: NVML's own word, driver >= 570);
 - uncorrected ECC errors, a failed or pending row remapping, NVLink errors (driver counters since it
   loaded, so possibly old: they are evidence, not proof);
 - for a straggler, a GPU that slows its clocks for heat or power;
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from frexporter.model import RankState
+from frexporter.model import GPU_RECOVERY_NONE, RankState, gpu_recovery_action_name
 
 MAX_RANKS = 16  # ranks with GPU details kept per verdict
 BUSY = 0.9  # utilization at or above which a waiting GPU counts as spinning
@@ -28,6 +29,29 @@ SLOWDOWN_REASONS: tuple[tuple[str, int], ...] = (
     ("hw_slowdown", 0x08), ("sw_thermal_slowdown", 0x20), ("hw_thermal_slowdown", 0x40),
     ("hw_power_brake_slowdown", 0x80),
 )
+
+
+# NVML's recovery action (model.GPU_RECOVERY_ACTIONS, every one but none) -> what the driver asks for, in a
+# verdict's words.
+RECOVERY_PHRASES: dict[str, str] = {
+    "gpu_reset": "the driver asks for a GPU reset",
+    "node_reboot": "the driver asks for a node reboot",
+    "drain_p2p": "the driver asks to drain peer-to-peer traffic",
+    "drain_and_reset": "the driver asks to drain peer-to-peer traffic and reset the GPU",
+    "recover_imex_domain": "the driver asks to recover the IMEX domain",
+    "bus_reset": "the driver asks for a PCIe bus reset",
+    "system_reboot": "the driver asks for a system reboot",
+}
+
+
+def recovery_phrase(code: int | None) -> str:
+    """What the driver asks for, in words; "" when it asks for nothing or does not say (None: driver < 570)."""
+    if code is None:
+        return ""
+    name = gpu_recovery_action_name(code)
+    if name == GPU_RECOVERY_NONE:
+        return ""
+    return RECOVERY_PHRASES.get(name, f"the driver asks for recovery action {code}")
 
 
 def by_uuid(gpus: Any) -> dict[str, Any]:
@@ -40,6 +64,9 @@ def _faults(gpu: Any, slowdown: bool) -> list[str]:
     out = []
     if gpu.lost:
         out.append("GPU lost")
+    recovery = recovery_phrase(gpu.recovery_action)
+    if recovery:
+        out.append(recovery)
     for xid, count in sorted(gpu.xid_errors.items()):
         out.append(f"Xid {xid}" + (f" x{count}" if count > 1 else ""))
     if gpu.ecc_errors is not None and gpu.ecc_errors.uncorrected:
@@ -70,6 +97,8 @@ def _reading(gpu: Any) -> dict[str, Any]:
         "nvlink_errors": sum(gpu.nvlink_errors.values()) if gpu.nvlink_errors is not None else None,
         "utilization_ratio": gpu.utilization_ratio, "power_watts": gpu.power_watts,
         "throttle_reasons": gpu.throttle_reasons,
+        "recovery_action": (gpu_recovery_action_name(gpu.recovery_action)
+                            if gpu.recovery_action is not None else None),
     }
 
 

@@ -1,12 +1,12 @@
 """Prometheus metric families for one ``GpuReading``.
 
 Every series carries ``gpu`` (NVML index) and ``gpu_uuid``. Absent fields
-produce no sample. At defaults a fully instrumented GPU has 26 series plus one
+produce no sample. At defaults a fully instrumented GPU has 27 series plus one
 per distinct Xid code it has raised (budget: 30, docs/architecture.md):
 
 - 8 scalars (utilization, memory used/total, temperature, power, energy,
   SM/memory clock), 5 throttle reasons, 2 ECC, 4 remapped rows,
-  1 PCIe replay, 4 NVLink error types, ``lost`` and ``info``.
+  1 PCIe replay, 4 NVLink error types, 1 recovery action, ``lost`` and ``info``.
 
 Choices a user relies on:
 
@@ -21,6 +21,13 @@ Choices a user relies on:
   adds a ``link`` label for debugging a node.
 - ``frexporter_gpu_xid_errors_total{xid}`` counts Xid events by code since the
   exporter started; a code's series appears with its first event.
+- ``frexporter_gpu_recovery_action{action}`` is one series per GPU, valued 1,
+  whose ``action`` is what the driver asks for now (``none``, ``gpu_reset``,
+  ``node_reboot``, ``drain_p2p``, ``drain_and_reset``, ...: model.GPU_RECOVERY_ACTIONS).
+  A series per possible action (a full state set) would cost 8 series per GPU,
+  over the budget; one series keeps alerts as readable
+  (``frexporter_gpu_recovery_action{action!="none"} == 1``). A change of action
+  ends one series and starts another. Absent on drivers before 570.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from frexporter import naming as n
-from frexporter.model import NVLINK_ERROR_TYPES, GpuReading, GpuState
+from frexporter.model import NVLINK_ERROR_TYPES, GpuReading, GpuState, gpu_recovery_action_name
 
 # Label value -> NVML clocks-event reason bit (nvmlClocksEventReason*).
 THROTTLE_REASONS: tuple[tuple[str, int], ...] = (
@@ -92,6 +99,11 @@ def _nvlink_per_type(gpu: GpuState) -> _Samples:
 def _nvlink_per_link(gpu: GpuState) -> _Samples:
     errors = gpu.nvlink_errors or {}
     return (((str(link), kind), count) for (link, kind), count in sorted(errors.items()))
+
+
+def _recovery_action(gpu: GpuState) -> _Samples:
+    code = gpu.recovery_action
+    return () if code is None else (((gpu_recovery_action_name(code),), 1.0),)
 
 
 def _xid(gpu: GpuState) -> _Samples:
@@ -184,6 +196,14 @@ _FAMILIES: tuple[_Family, ...] = (
         "PCIe replays (link-level retransmissions).",
         (),
         lambda g: _one(g.pcie_replays),
+    ),
+    _Family(
+        _G,
+        n.GPU_RECOVERY_ACTION,
+        "1 for the recovery action the driver asks for now (none, gpu_reset, node_reboot, drain_p2p, "
+        "drain_and_reset, ...; NVML, driver >= 570).",
+        (n.L_ACTION,),
+        _recovery_action,
     ),
     _Family(
         _C,

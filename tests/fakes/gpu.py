@@ -21,6 +21,9 @@ from frexporter.model import NVLINK_ERROR_TYPES, EccErrors, RemappedRows
 from frexporter.sources.nvml import FieldNotSupported, GpuBackendError, GpuLost, XidEvent
 
 GIB = 1 << 30
+# NVML's ABI (nvml.h), spelled here: nvidia-ml-py before 12.570, which pyproject.toml still allows, lacks the names.
+NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+NVML_GPU_RECOVERY_ACTION_NONE = 0
 
 
 def full_nvlinks(links: int = 18, count: int = 0) -> dict[tuple[int, str], int]:
@@ -47,6 +50,7 @@ class FakeGpu:
     )
     pcie_replays: int = 0
     nvlink_errors: Mapping[tuple[int, str], int] = field(default_factory=full_nvlinks)
+    recovery_action: int = 0  # NVML_GPU_RECOVERY_ACTION_NONE
     # Fields that raise FieldNotSupported, as on a model without them.
     unsupported: set[str] = field(default_factory=set)
     # Field -> exception raised on every read.
@@ -218,6 +222,9 @@ class FakeGpuBackend:
     def nvlink_errors(self, index: int) -> Mapping[tuple[int, str], int]:
         return self._read(index, "nvlink_errors")
 
+    def recovery_action(self, index: int) -> int:
+        return self._read(index, "recovery_action")
+
     def poll_xid_events(self) -> Sequence[XidEvent]:
         outcome = self._enter("poll_xid_events")
         events, self._xids = self._xids, []
@@ -246,6 +253,13 @@ class RawGpu:
     remapped: tuple[int, int, int, int] = (1, 0, 0, 0)
     pcie_replays: int = 2
     nvlinks: int = 18
+    # nvmlDeviceGetFieldValues: field id -> (value type NVML_VALUE_TYPE_*, value); a field not listed answers
+    # its own nvmlReturn NVML_ERROR_INVALID_ARGUMENT, as a driver that does not know it (an older one) does.
+    field_values: dict[int, tuple[int, int | float]] = field(default_factory=lambda: {
+        NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, NVML_GPU_RECOVERY_ACTION_NONE),
+    })
+    # field id -> the per-field nvmlReturn (an NVML error code) instead of its value.
+    field_returns: dict[int, int] = field(default_factory=dict)
     # pynvml function name -> NVML error code raised for this GPU.
     fail: dict[str, int] = field(default_factory=dict)
 
@@ -354,6 +368,23 @@ class FakePynvml:
     def nvmlDeviceGetNvLinkErrorCounter(self, h: int, link: int, counter: int) -> int:
         self._gpu(h, "nvmlDeviceGetNvLinkErrorCounter")
         return link * 10 + counter  # distinct per (link, type)
+
+    def nvmlDeviceGetFieldValues(self, h: int, field_ids: list[int]) -> list[SimpleNamespace]:
+        # As pynvml's: the call succeeds and every value carries its own nvmlReturn; the union holds garbage
+        # (here: no member at all) unless that return is NVML_SUCCESS.
+        gpu = self._gpu(h, "nvmlDeviceGetFieldValues")
+        members = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+        out = []
+        for field_id in field_ids:
+            status = gpu.field_returns.get(field_id, pynvml.NVML_SUCCESS)
+            if status == pynvml.NVML_SUCCESS and field_id not in gpu.field_values:
+                status = pynvml.NVML_ERROR_INVALID_ARGUMENT
+            value_type, value = gpu.field_values.get(field_id, (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, 0))
+            filled = {members[value_type]: value} if 0 <= value_type < len(members) else {}
+            union = SimpleNamespace(**filled) if status == pynvml.NVML_SUCCESS else None
+            out.append(SimpleNamespace(fieldId=field_id, scopeId=0, timestamp=0, latencyUsec=0,
+                                       valueType=value_type, nvmlReturn=status, value=union))
+        return out
 
     def nvmlEventSetCreate(self) -> str:
         return "event-set"

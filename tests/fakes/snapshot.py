@@ -64,7 +64,7 @@ def fixed_snapshot() -> NodeSnapshot:
     gpus = GpuReading(timestamp=1700000200.0, driver_version="550.54.15", gpus=(
         GpuState(index=0, uuid="GPU-aaaa", name="NVIDIA H100", utilization_ratio=0.97, memory_used_bytes=1 << 30,
                  memory_total_bytes=80 << 30, temperature_celsius=61.0, power_watts=650.5, energy_joules=1.5e6,
-                 ecc_errors=EccErrors(corrected=3, uncorrected=0), xid_errors={79: 1}),
+                 ecc_errors=EccErrors(corrected=3, uncorrected=0), xid_errors={79: 1}, recovery_action=0),
     ))
     sources = (
         SourceStatus(name="ranks", up=True, duration_seconds=0.0015, errors_total={"corrupt": 1},

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from frexporter.analysis import MISSING_RANK, STALLED, STRAGGLER, VerdictConfig, evaluate, make_analyzer
+from frexporter.analysis.gpu import RECOVERY_PHRASES
 from frexporter.model import (
+    GPU_RECOVERY_ACTIONS,
+    GPU_RECOVERY_NONE,
     RANK_OK,
     EccErrors,
     GpuReading,
@@ -135,3 +138,52 @@ def test_analyzer_passes_the_snapshots_gpus() -> None:
                         gpus=reading(gpu(0), gpu(1), gpu(2), gpu(3, xid_errors={79: 2})))
     v = only(make_analyzer()(snap))
     assert "rank 3 on GPU-31234567…: Xid 79 x2" in v.summary
+
+
+# --- the driver's recovery action (NVML, driver >= 570): a fact of the rank's own GPU
+
+
+def test_hang_names_the_recovery_action_the_culprits_gpu_asks_for() -> None:
+    gpus = reading(gpu(0), gpu(1), gpu(2), gpu(3, recovery_action=1, xid_errors={79: 1}))
+    v = only(evaluate(rank3_missing(), NOW, gpus=gpus))
+    assert v.kind == MISSING_RANK and v.ranks == (3,)
+    assert "GPU: rank 3 on GPU-31234567…: the driver asks for a GPU reset, Xid 79" in v.summary
+    assert v.details["gpu"]["culprits"]["3"]["recovery_action"] == "gpu_reset"
+
+
+def test_straggler_names_the_recovery_action_of_its_own_gpu() -> None:
+    ranks = [state(r, 10, 10, lateness=2.5 if r == 2 else 0.0) for r in WORLD]
+    gpus = reading(gpu(0), gpu(1), gpu(2, recovery_action=3), gpu(3))
+    v = only(evaluate(ranks, NOW, gpus=gpus))
+    assert v.kind == STRAGGLER and v.ranks == (2,)
+    assert "rank 2 on GPU-21234567…: the driver asks to drain peer-to-peer traffic" in v.summary
+    assert v.details["gpu"]["culprits"]["2"]["recovery_action"] == "drain_p2p"
+
+
+def test_another_ranks_gpu_asking_for_recovery_is_not_the_culprits_fact() -> None:
+    # The hang's waiting rank 0 and the straggler's peer rank 0 sit on a GPU that asks for a node reboot:
+    # neither verdict blames it on the culprit (each verdict reads its culprits' own GPUs, by UUID).
+    asking = gpu(0, recovery_action=2)
+    hang = only(evaluate(rank3_missing(), NOW, gpus=reading(asking, gpu(1), gpu(2), gpu(3))))
+    ranks = [state(r, 10, 10, lateness=2.5 if r == 2 else 0.0) for r in WORLD]
+    straggler = only(evaluate(ranks, NOW, gpus=reading(asking, gpu(1), gpu(2), gpu(3))))
+    for v in (hang, straggler):
+        assert "reboot" not in v.summary
+        assert all("recovery_action" not in w for w in v.details["gpu"]["waiting"].values())
+
+
+def test_recovery_action_none_or_absent_says_nothing() -> None:
+    for action in (0, None):
+        v = only(evaluate(rank3_missing(), NOW, gpus=reading(gpu(0), gpu(1), gpu(2), gpu(3, recovery_action=action))))
+        assert "driver asks" not in v.summary
+        assert v.details["gpu"]["culprits"]["3"]["recovery_action"] == ("none" if action == 0 else None)
+
+
+def test_a_newer_drivers_recovery_action_is_named_by_its_code() -> None:
+    v = only(evaluate(rank3_missing(), NOW, gpus=reading(gpu(0), gpu(1), gpu(2), gpu(3, recovery_action=42))))
+    assert "rank 3 on GPU-31234567…: the driver asks for recovery action 42" in v.summary
+    assert v.details["gpu"]["culprits"]["3"]["recovery_action"] == "unknown"
+
+
+def test_every_recovery_action_has_words() -> None:
+    assert set(RECOVERY_PHRASES) == set(GPU_RECOVERY_ACTIONS.values()) - {GPU_RECOVERY_NONE}

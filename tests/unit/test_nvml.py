@@ -13,11 +13,18 @@ import pynvml
 import pytest
 
 from frexporter import naming as n
-from frexporter.model import EccErrors, GpuReading, RemappedRows
+from frexporter.model import GPU_RECOVERY_ACTIONS, EccErrors, GpuReading, RemappedRows
 from frexporter.outputs.gpu_metrics import gpu_metric_families
 from frexporter.sources.base import SourceError
 from frexporter.sources.nvml import GpuBackendError, GpuLost, NvmlSource, PynvmlBackend
-from tests.fakes.gpu import FakeGpu, FakeGpuBackend, FakePynvml, RawGpu, full_nvlinks
+from tests.fakes.gpu import (
+    NVML_FI_DEV_GET_GPU_RECOVERY_ACTION,
+    FakeGpu,
+    FakeGpuBackend,
+    FakePynvml,
+    RawGpu,
+    full_nvlinks,
+)
 from tests.shared.nvml import FakeClock, exposition, full_reading, make_source
 
 LOGGER = "frexporter.sources.nvml"
@@ -64,6 +71,7 @@ def test_pynvml_backend_converts_nvml_units_to_base_units() -> None:
     assert gpu.pcie_replays == 2
     assert gpu.nvlink_errors is not None and len(gpu.nvlink_errors) == 18 * 4
     assert gpu.nvlink_errors[(17, "crc_data")] == 17 * 10 + pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA
+    assert gpu.recovery_action == 0  # NVML_GPU_RECOVERY_ACTION_NONE
 
 
 def test_pynvml_backend_maps_nvml_errors_and_probes_nvlinks_once() -> None:
@@ -134,7 +142,7 @@ def test_fake_backend_reading_has_every_field() -> None:
 
 def test_unsupported_fields_are_absent_without_error_storm(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    unsupported = {"ecc_errors", "remapped_rows", "nvlink_errors", "pcie_replays", "energy"}
+    unsupported = {"ecc_errors", "remapped_rows", "nvlink_errors", "pcie_replays", "energy", "recovery_action"}
     backend = FakeGpuBackend(
         [FakeGpu("GPU-a", unsupported=unsupported), FakeGpu("GPU-b", unsupported=unsupported)]
     )
@@ -151,6 +159,7 @@ def test_unsupported_fields_are_absent_without_error_storm(caplog: pytest.LogCap
     assert n.GPU_PCIE_REPLAY_TOTAL not in names
     assert n.GPU_NVLINK_ERRORS_TOTAL not in names
     assert n.GPU_ENERGY_JOULES_TOTAL not in names
+    assert n.GPU_RECOVERY_ACTION not in names
     assert len(names[n.GPU_TEMPERATURE_CELSIUS]) == 2
 
 
@@ -311,6 +320,101 @@ def test_nvlink_sum_does_not_drop_when_a_link_stops_reading() -> None:
     assert totals == {"replay": 23.0, "recovery": 23.0, "crc_flit": 23.0, "crc_data": 23.0}
 
 
+# --- the recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, driver >= 570)
+
+RECOVERY_FIELD = NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+
+
+def recovery_gpu(uuid: str = "GPU-a", value: float = 0, value_type: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+                 **kw: object) -> RawGpu:
+    return RawGpu(uuid, field_values={RECOVERY_FIELD: (value_type, value)}, **kw)  # type: ignore[arg-type]
+
+
+def test_recovery_actions_are_nvmls() -> None:
+    # nvidia-ml-py names them from 12.570 on; the lowest version pyproject.toml allows does not.
+    assert getattr(pynvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", RECOVERY_FIELD) == RECOVERY_FIELD
+    prefix = "NVML_GPU_RECOVERY_ACTION_"
+    named = {v: k.removeprefix(prefix).lower() for k, v in vars(pynvml).items() if k.startswith(prefix)}
+    # A code the exporter does not name yet is exported as "unknown"; the ones it names are NVML's names.
+    assert all(GPU_RECOVERY_ACTIONS.get(code, name) == name for code, name in named.items()), named
+
+
+# nvml.h's nvmlDeviceGpuRecoveryAction_t: NVML_GPU_RECOVERY_ACTION_NONE = 0, ..._SYSTEM_REBOOT = 7.
+@pytest.mark.parametrize(("code", "action"), [
+    (0, "none"),
+    (1, "gpu_reset"),
+    (2, "node_reboot"),
+    (3, "drain_p2p"),
+    (4, "drain_and_reset"),
+    (5, "recover_imex_domain"),
+    (6, "bus_reset"),
+    (7, "system_reboot"),
+    (42, "unknown"),  # a newer driver's action: one series still, never a field error
+])
+def test_recovery_action_is_one_series_naming_the_action(code: int, action: str) -> None:
+    fake = FakePynvml([recovery_gpu("GPU-a", code), RawGpu("GPU-b")])
+    reading = make_source(PynvmlBackend(fake)).read()
+    assert reading.gpus[0].recovery_action == code
+    assert reading.field_error_count == 0
+    assert samples_by_name(reading)[n.GPU_RECOVERY_ACTION] == [
+        ({n.L_GPU: "0", n.L_GPU_UUID: "GPU-a", n.L_ACTION: action}, 1.0),
+        ({n.L_GPU: "1", n.L_GPU_UUID: "GPU-b", n.L_ACTION: "none"}, 1.0),
+    ]
+
+
+def test_recovery_action_follows_the_driver_from_poll_to_poll() -> None:
+    raw = recovery_gpu("GPU-a", 0)
+    source = make_source(PynvmlBackend(FakePynvml([raw])))
+    actions = []
+    for code in (0, 1, 1, 0):
+        raw.field_values[RECOVERY_FIELD] = (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, code)
+        actions.append([labels[n.L_ACTION] for labels, _ in samples_by_name(source.read())[n.GPU_RECOVERY_ACTION]])
+    assert actions == [["none"], ["gpu_reset"], ["gpu_reset"], ["none"]]
+
+
+@pytest.mark.parametrize("value_type", [pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, pynvml.NVML_VALUE_TYPE_SIGNED_INT,
+                                        pynvml.NVML_VALUE_TYPE_DOUBLE])
+def test_recovery_action_is_read_from_the_member_its_value_type_names(value_type: int) -> None:
+    value = 2.0 if value_type == pynvml.NVML_VALUE_TYPE_DOUBLE else 2
+    reading = make_source(PynvmlBackend(FakePynvml([recovery_gpu(value=value, value_type=value_type)]))).read()
+    assert reading.gpus[0].recovery_action == 2  # NVML_GPU_RECOVERY_ACTION_NODE_REBOOT
+
+
+@pytest.mark.parametrize("raw", [
+    RawGpu("GPU-a", field_values={}),  # a driver before 570: the field's own nvmlReturn is INVALID_ARGUMENT
+    RawGpu("GPU-a", field_returns={RECOVERY_FIELD: pynvml.NVML_ERROR_NOT_SUPPORTED}),
+    # a libnvidia-ml without the function: pynvml raises FunctionNotFound for the whole call
+    RawGpu("GPU-a", fail={"nvmlDeviceGetFieldValues": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}),
+], ids=["field-unknown", "not-supported", "no-function"])
+def test_recovery_action_absent_without_error_where_the_driver_has_none(
+    raw: RawGpu, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = make_source(PynvmlBackend(FakePynvml([raw])))
+    for _ in range(20):
+        reading = source.read()
+        assert reading.field_error_count == 0  # benchmarks/gpu_smoke.py fails on field errors: not on this
+    assert reading.gpus[0].recovery_action is None
+    assert reading.gpus[0].temperature_celsius == 61.0
+    assert n.GPU_RECOVERY_ACTION not in samples_by_name(reading)
+    assert not warnings(caplog)
+
+
+def test_recovery_action_failures_are_field_errors_or_a_lost_gpu(caplog: pytest.LogCaptureFixture) -> None:
+    fake = FakePynvml([
+        RawGpu("GPU-slow", field_returns={RECOVERY_FIELD: pynvml.NVML_ERROR_TIMEOUT}),
+        recovery_gpu("GPU-garbage", value=1, value_type=99),
+        RawGpu("GPU-gone", field_returns={RECOVERY_FIELD: pynvml.NVML_ERROR_GPU_IS_LOST}),
+    ])
+    source = make_source(PynvmlBackend(fake))
+    for _ in range(3):
+        reading = source.read()
+    slow, garbage, gone = reading.gpus
+    assert slow.recovery_action is None and garbage.recovery_action is None
+    assert dict(reading.field_errors) == {"timeout": 1, "invalid_value": 1}
+    assert gone.lost
+    assert len(warnings(caplog, "recovery_action")) == 2  # once per GPU and reason, not per poll
+
+
 # --- exposition
 
 
@@ -318,11 +422,12 @@ def test_series_per_gpu_within_budget() -> None:
     reading = full_reading()
     per_gpu = series_per_gpu(reading)
     assert len(per_gpu) == 8
-    # 26 fixed series + 2 Xid codes seen; 18 NVLinks summed per type.
-    assert set(per_gpu.values()) == {28}
+    # 27 fixed series (the recovery action is one, whatever the action) + 2 Xid codes seen; 18 NVLinks summed
+    # per type.
+    assert set(per_gpu.values()) == {29}
     assert max(per_gpu.values()) <= SERIES_BUDGET_PER_GPU
     # Per-link NVLink series are opt-in: 18 links x 4 types instead of 4.
-    assert set(series_per_gpu(reading, nvlink_per_link=True).values()) == {28 - 4 + 18 * 4}
+    assert set(series_per_gpu(reading, nvlink_per_link=True).values()) == {29 - 4 + 18 * 4}
 
 
 def test_families_are_fresh_per_call() -> None:
@@ -349,6 +454,9 @@ def test_real_pynvml_backend() -> None:
             reading = source.read()
             assert reading.gpus and all(g.uuid.startswith("GPU-") for g in reading.gpus)
             assert any(g.memory_total_bytes for g in reading.gpus)
+            major = int((reading.driver_version or "0").split(".")[0])
+            if major >= 570:  # the driver knows the recovery action: read through nvmlDeviceGetFieldValues
+                assert all(g.recovery_action is not None for g in reading.gpus if not g.lost)
             return
         started = time.monotonic()
         with pytest.raises(SourceError) as info:

@@ -73,6 +73,7 @@ EXPECTED_NAMES = {
     n.GPU_PCIE_REPLAY_TOTAL: ("hw.errors", "{error}", "counter"),
     n.GPU_NVLINK_ERRORS_TOTAL: ("hw.errors", "{error}", "counter"),
     n.GPU_XID_ERRORS_TOTAL: ("hw.errors", "{error}", "counter"),
+    n.GPU_RECOVERY_ACTION: ("frexporter.gpu.recovery_action", "", "gauge"),
 }
 
 

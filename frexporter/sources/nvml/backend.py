@@ -72,6 +72,11 @@ class GpuBackend(Protocol):
         """(link, type) -> count, type in NVLINK_ERROR_TYPES."""
         ...
 
+    def recovery_action(self, index: int) -> int:
+        """NVML's GPU recovery action code (``model.GPU_RECOVERY_ACTIONS``; 0: none needed). Drivers before 570
+        do not know the field: ``FieldNotSupported``."""
+        ...
+
     def poll_xid_events(self) -> Sequence[XidEvent]:
         """Critical Xid events since the last call; never blocks."""
         ...

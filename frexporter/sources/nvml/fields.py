@@ -84,6 +84,7 @@ FIELDS: tuple[tuple[str, Callable[[object], dict[str, object]]], ...] = (
     ("remapped_rows", _remapped),
     ("pcie_replays", _scalar("pcie_replays", as_count)),
     ("nvlink_errors", _nvlink),
+    ("recovery_action", _scalar("recovery_action", as_count)),
 )
 
 

@@ -40,6 +40,10 @@ _NVLINK_COUNTERS = (
 )
 # Bounds the drain of the event set per poll; a storm is still counted next poll.
 _MAX_EVENTS_PER_POLL = 256
+# nvmlDeviceGetFieldValues fills a union; a value's valueType (NVML_VALUE_TYPE_*, 0..6) names its member.
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+# The field ids are NVML's ABI: the number serves a pynvml too old to name them.
+_FI_GPU_RECOVERY_ACTION = ("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", 230)  # driver >= 570
 
 
 def _translate(nv: Any, exc: Exception) -> GpuBackendError:
@@ -219,6 +223,34 @@ class PynvmlBackend:
                 except FieldNotSupported:
                     continue
         return out
+
+    def recovery_action(self, index: int) -> int:
+        value = self._field_value(index, *_FI_GPU_RECOVERY_ACTION)
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise GpuBackendError(reasons.INVALID_VALUE, f"recovery action is not a code: {value!r}")
+            return int(value)
+        return value
+
+    def _field_value(self, index: int, name: str, number: int) -> int | float:
+        """One field of ``nvmlDeviceGetFieldValues``. The call succeeds when any value was filled; each value's
+        own ``nvmlReturn`` says whether it is valid (its union is garbage otherwise). A driver that does not know
+        the field id (older than the field) answers INVALID_ARGUMENT for it (seen on 580 for ids past its last),
+        a GPU without the reading NOT_SUPPORTED: both are "not supported", never a field error."""
+        nv = self._nv()
+        field_id = int(getattr(nv, name, number))
+        values = self._call_first(("nvmlDeviceGetFieldValues",), self._handle(index), [field_id])
+        value = values[0]
+        status = int(value.nvmlReturn)
+        if status != nv.NVML_SUCCESS:
+            if status == nv.NVML_ERROR_INVALID_ARGUMENT:
+                raise FieldNotSupported(f"the driver does not know {name}")
+            raise _translate(nv, nv.NVMLError(status))
+        value_type = int(value.valueType)
+        if not 0 <= value_type < len(_VALUE_MEMBERS):
+            raise GpuBackendError(reasons.INVALID_VALUE, f"{name}: unknown NVML value type {value_type}")
+        raw = getattr(value.value, _VALUE_MEMBERS[value_type])
+        return float(raw) if value_type == 0 else int(raw)
 
     def _nvlink_candidates(self, index: int, handle: Any) -> tuple[int, ...]:
         # Which links exist is fixed per device: probe once per init, not 18+
