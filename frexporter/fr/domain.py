@@ -43,7 +43,8 @@ class DeepView:
     raw_completes: bool = True
 
 
-def _inflight(entry: FrEntry) -> InflightCollective:
+def inflight_collective(entry: FrEntry) -> InflightCollective:
+    """An FR entry as the model's collective (for the live view and for dumps alike)."""
     return InflightCollective(
         seq=entry.collective_seq_id,
         op=entry.op,
@@ -96,7 +97,7 @@ def translate(dump: FrDump) -> dict[int, DeepView]:
             enqueued=enqueued,
             started=started,
             completed=completed,
-            inflight=tuple(_inflight(e) for e in pending),
+            inflight=tuple(inflight_collective(e) for e in pending),
             has_p2p=has_p2p,
             timeout_seconds=timeout,
             known=True,

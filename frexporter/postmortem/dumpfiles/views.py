@@ -13,8 +13,8 @@ from dataclasses import replace
 
 from frexporter.analysis import history
 from frexporter.fr import trace
-from frexporter.fr.domain import translate
-from frexporter.model import RANK_OK, InflightCollective, PGState, RankList, RankState
+from frexporter.fr.domain import inflight_collective, translate
+from frexporter.model import RANK_OK, PGState, RankList, RankState
 from frexporter.postmortem.dumpfiles.decoding import RankDump
 from frexporter.spool import MAX_RANK
 
@@ -92,19 +92,6 @@ def with_pg_ids(dump: trace.FrDump) -> trace.FrDump:
     return replace(dump, entries=entries)
 
 
-def _collective(entry: trace.FrEntry) -> InflightCollective:
-    return InflightCollective(
-        seq=entry.collective_seq_id,
-        op=entry.op,
-        created=entry.time_created_ns / 1e9,
-        timeout_seconds=entry.timeout_ms / 1000.0 if entry.timeout_ms else None,
-        input_sizes=entry.input_sizes,
-        input_dtypes=entry.input_dtypes,
-        output_sizes=entry.output_sizes,
-        output_dtypes=entry.output_dtypes,
-    )
-
-
 def histories(dumps: list[RankDump], job_id: str = "dump") -> list[history.GroupHistory]:
     """Every collective each rank recorded, per cross-rank group, for judging what already happened."""
     members = memberships(dumps)
@@ -120,10 +107,11 @@ def histories(dumps: list[RankDump], job_id: str = "dump") -> list[history.Group
             key = (name, members.get((d.rank, name), (d.rank,)))
             ranks = groups.setdefault(key, (entries[-1].pg_desc, {}, {}))
             ranks[1][d.rank] = [
-                history.Recorded(_collective(e), e.done, e.state == "completed") for e in entries if not e.is_p2p
+                history.Recorded(inflight_collective(e), e.done, e.state == "completed")
+                for e in entries if not e.is_p2p
             ]
             ranks[2][d.rank] = [
-                history.Recorded(replace(_collective(e), seq=e.p2p_seq_id), e.done, e.state == "completed")
+                history.Recorded(replace(inflight_collective(e), seq=e.p2p_seq_id), e.done, e.state == "completed")
                 for e in entries
                 if e.is_p2p
             ]
