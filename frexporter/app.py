@@ -87,6 +87,7 @@ class ServeConfig:
     deep_interval: float = defaults.DEEP_INTERVAL
     sources: Collection[str] = DEFAULT_SOURCES
     per_rank_durations: bool = False
+    collective_waits: bool = False  # frexporter_rank_collective_wait_seconds: the cross-node straggler signal
     nvlink_per_link: bool = False
     verdict_confirm_after: float = defaults.VERDICT_CONFIRM_AFTER
     evidence_dir: str | None = None

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--per-rank-durations", action="store_true",
                        help="label collective durations and bytes by rank (one histogram per rank, PG and op) "
                             "instead of summing the node's ranks; multiplies those series by the ranks per node")
+    serve.add_argument("--collective-waits", action="store_true",
+                       help="export each rank's mean wait inside each PG's collectives (NCCL only; one series per "
+                            "rank and PG), which FrexporterStraggler compares across nodes")
     serve.add_argument("--nvml.nvlink-per-link", dest="nvlink_per_link", action="store_true",
                        help="NVLink error counters per link (18 links x 4 types per GPU) instead of per GPU")
     serve.add_argument("--verdict-confirm-after", type=_non_negative, default=defaults.VERDICT_CONFIRM_AFTER,
@@ -307,7 +310,8 @@ def serve_config(args: argparse.Namespace, web_config: WebConfig | None = None) 
         stuck_after=args.stuck_after, stuck_floor=args.stuck_floor, stuck_multiple=args.stuck_multiple,
         rank_timeout=args.rank_timeout, source_timeout=args.source_timeout, deep_interval=args.deep_interval,
         sources=[info.name for info in SOURCES if getattr(args, f"source_{info.name}")],
-        per_rank_durations=args.per_rank_durations, nvlink_per_link=args.nvlink_per_link,
+        per_rank_durations=args.per_rank_durations, collective_waits=args.collective_waits,
+        nvlink_per_link=args.nvlink_per_link,
         verdict_confirm_after=args.verdict_confirm_after, evidence_dir=args.evidence_dir,
         evidence_stacks=args.evidence_stacks, web_config=web_config, debug_endpoints=args.enable_debug_endpoints,
         strict_permissions=args.strict_permissions, max_connections=args.web_max_connections,

@@ -248,6 +248,11 @@ class PGState:
     # compare with. See frexporter/sources/collectives.py.
     lateness_seconds: float | None = None
     lateness_samples: int = 0
+    # Cross-node straggler signal: mean seconds this rank waited inside the PG's collectives over the last
+    # ``wait_samples`` (smallest and largest tenth left out), from its own node's clock or GPU timing; None
+    # where FR has no completion (gloo) or before enough samples. The last arriver waits least.
+    wait_seconds: float | None = None
+    wait_samples: int = 0
     # Seconds a collective of this PG may wait before it counts as stuck, learned from the PG's history
     # (frexporter/sources/thresholds.py); None where nobody learned one (dumps, old series): the fixed one.
     stuck_threshold_seconds: float | None = None

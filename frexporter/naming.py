@@ -80,6 +80,8 @@ COLLECTIVE_BYTES_TOTAL = PREFIX + "collective_bytes_total"
 
 # Straggler signal (per rank and PG, in seconds).
 RANK_STRAGGLER_LATENESS_SECONDS = PREFIX + "rank_straggler_lateness_seconds"
+# Cross-node straggler signal (per rank and PG, seconds): mean wait inside the PG's recent collectives.
+RANK_COLLECTIVE_WAIT_SECONDS = PREFIX + "rank_collective_wait_seconds"
 # Deprecated: the same value under its first name, which hid its unit. Exported alongside the new name for one
 # release (CHANGELOG.md), then removed together with this constant.
 RANK_STRAGGLER_SCORE_DEPRECATED = PREFIX + "rank_straggler_score"

@@ -77,3 +77,47 @@ def find_stragglers(ranks: Mapping[RankKey, RankState], conditions: Mapping[Rank
             threshold=min(thresholds), timeout_seconds=any_pg.timeout_seconds,
         ))
     return out
+
+
+# The cross-node ranking, as frexporter.rules.yml's FrexporterStraggler and the PG dashboard take it from
+# frexporter_rank_collective_wait_seconds (tests/unit/test_collective_waits.py holds them to the rule's numbers).
+WAIT_MAD_FACTOR = 4.0  # a straggler's lag exceeds this many median absolute deviations of the PG's waits
+WAIT_MIN_LAG = 0.005  # seconds: and at least this much
+WAIT_MIN_RANKS = 3  # ranks of the PG with a wait: two cannot say which one is off
+
+
+@dataclass(frozen=True)
+class WaitLag:
+    """One rank of a PG in the cross-node ranking: ``lag`` is the PG's median wait minus the rank's own, about
+    how long each collective of the PG waits for it; ``straggler`` when the lag clears the robust margin."""
+
+    job_id: str
+    pg: str
+    pg_desc: str
+    rank: int
+    wait: float
+    lag: float
+    straggler: bool
+
+
+def wait_ranking(ranks: tuple[RankState, ...] | list[RankState]) -> list[WaitLag]:
+    """Every rank with a wait (``PGState.wait_seconds``), per PG with at least WAIT_MIN_RANKS of them, last
+    arriver (largest lag) first within its PG, PGs with a straggler first. The rule additionally asks the lag to
+    cost 5 % of the PG's time for 5 minutes, which one instant cannot say: this is the ranking, not the alert."""
+    by_pg: dict[tuple[str, str], dict[int, tuple[float, str]]] = {}
+    for r in ranks:
+        for pg in r.pgs:
+            if pg.wait_seconds is not None and pg.wait_seconds == pg.wait_seconds and pg.wait_seconds >= 0:
+                by_pg.setdefault((r.job_id, pg.name), {})[r.rank] = (pg.wait_seconds, pg.desc)
+    groups: list[list[WaitLag]] = []
+    for (job_id, name), waits in sorted(by_pg.items()):
+        if len(waits) < WAIT_MIN_RANKS:
+            continue
+        median = statistics.median(w for w, _ in waits.values())
+        mad = statistics.median(abs(w - median) for w, _ in waits.values())
+        rows = [WaitLag(job_id=job_id, pg=name, pg_desc=desc, rank=rank, wait=w, lag=median - w,
+                        straggler=median - w > WAIT_MAD_FACTOR * mad and median - w > WAIT_MIN_LAG)
+                for rank, (w, desc) in waits.items()]
+        groups.append(sorted(rows, key=lambda row: (-row.lag, row.rank)))
+    groups.sort(key=lambda rows: not any(row.straggler for row in rows))
+    return [row for rows in groups for row in rows]

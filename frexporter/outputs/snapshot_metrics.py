@@ -158,6 +158,11 @@ class SnapshotCollector(Collector):
                                       "Seconds the rank enqueues this PG's collectives after its first local peer, "
                                       "mean over recent collectives (slowest tenth left out); only where the node "
                                       "has several ranks of the PG.", labels=labels)
+        wait = GaugeMetricFamily(n.RANK_COLLECTIVE_WAIT_SECONDS,
+                                 "Seconds the rank waits inside this PG's collectives, mean over recent "
+                                 "collectives (smallest and largest tenth left out), from its own node's clock: "
+                                 "compares across nodes, the last arriver waits least; NCCL only, with "
+                                 "--collective-waits.", labels=labels)
         # Kept for one release so queries written against the first name keep working (CHANGELOG.md).
         straggler_old = GaugeMetricFamily(n.RANK_STRAGGLER_SCORE_DEPRECATED,
                                           f"Deprecated, removed in the next release: use "
@@ -184,6 +189,8 @@ class SnapshotCollector(Collector):
                 if pg.lateness_seconds is not None:
                     straggler.add_sample(straggler.name, key, pg.lateness_seconds)
                     straggler_old.add_sample(straggler_old.name, key, pg.lateness_seconds)
+                if pg.wait_seconds is not None:
+                    wait.add_sample(wait.name, key, pg.wait_seconds)
         for (job_id, name, desc), facts in static.items():
             info.add_metric([job_id, name, desc, str(facts.size), facts.backend], 1)
             if facts.timeout is not None:
@@ -193,7 +200,7 @@ class SnapshotCollector(Collector):
             if facts.ceiling is not None:
                 ceiling.add_metric([job_id, name, desc], facts.ceiling)
         yield from (info, enq, started, done, inflight, oldest, timeout, threshold, ceiling, progress, straggler,
-                    straggler_old)
+                    straggler_old, wait)
 
     @staticmethod
     def _collectives(snap: NodeSnapshot) -> Iterator[Metric]:

@@ -40,8 +40,8 @@ __all__ = [
     "job_view", "parse_query_response", "query", "rank_states", "rebuild",
 ]
 
-# All queries of one analysis (19 of them), so that a server answering each just in time cannot hold
-# `frexporter analyze` for 19 times QUERY_TIMEOUT_SECONDS.
+# All queries of one analysis (20 of them), so that a server answering each just in time cannot hold
+# `frexporter analyze` for 20 times QUERY_TIMEOUT_SECONDS.
 ANALYZE_TIMEOUT_SECONDS = 120.0
 
 

@@ -40,6 +40,7 @@ from frexporter.spool.limits import MAX_MANIFEST_MEMBERS, MAX_PG_MEMBERS
 # A heartbeat this old when scraped, on an up rank: its Python is wedged. Above the exporter's poll
 # interval (<= 15 s, see frexporter.rules.yml) plus the snapshot interval, which a healthy rank can reach.
 STALE_HEARTBEAT_SECONDS = 30.0
+MAX_WAIT_SECONDS = 3600.0  # a mean wait inside collectives beyond this is no exporter's (it drops such waits)
 MAX_WORLD_SIZE = MAX_PG_MEMBERS  # a world_size label beyond any real job is not expanded into members
 # Ranks that worlds expand into over all jobs of a view: each world-spanning PG's member list and each job's
 # rank list (the absent ranks of report.from_prometheus). As many as one rank's manifest may list: a
@@ -82,6 +83,8 @@ class Query(enum.Enum):
     PG_INFLIGHT = (n.PG_INFLIGHT_COLLECTIVES, _PLAIN)
     PG_OLDEST = (n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, _PLAIN)
     PG_PROGRESS = (n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS, _PLAIN)
+    # Each rank's mean wait inside a PG's collectives (exporters with --collective-waits): the straggler ranking.
+    PG_WAIT = (n.RANK_COLLECTIVE_WAIT_SECONDS, _PLAIN)
     VERDICT = (n.VERDICT, _PLAIN)
     ACTIVITY = (n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS, _PLAIN)
     # Busy at any time within the hold, as FrexporterCollectiveDesync asks it (model.BUSY_HOLD_SECONDS).
@@ -98,7 +101,8 @@ class Query(enum.Enum):
 Answers = Mapping[Query, list[Sample]]  # a query left out is one that returned nothing
 
 _PG_FIELDS = {Query.PG_ENQUEUED: "enqueued", Query.PG_COMPLETED: "completed", Query.PG_STARTED: "started",
-              Query.PG_INFLIGHT: "inflight", Query.PG_OLDEST: "oldest", Query.PG_PROGRESS: "progress"}
+              Query.PG_INFLIGHT: "inflight", Query.PG_OLDEST: "oldest", Query.PG_PROGRESS: "progress",
+              Query.PG_WAIT: "wait"}
 _COUNT_FIELDS = frozenset({"enqueued", "completed", "started", "inflight"})
 _TIME_FIELDS = frozenset({"oldest", "progress"})  # node timestamps
 PGKey = tuple[str, str]  # (job id, PG)
@@ -245,6 +249,7 @@ def _pg_states(pg_series: dict[tuple[str, int, str], dict[str, Any]], members: d
             inflight_count=max(0, enq - done) if inflight is None else max(0, int(inflight)),
             timeout_seconds=timeouts.get((job, pg)), last_progress=v.get("progress"), exact=True, has_p2p=False,
             stuck_threshold_seconds=thresholds.get((job, pg)), stuck_ceiling_seconds=ceilings.get((job, pg)),
+            wait_seconds=v.get("wait"),
         )
         by_rank[(job, rank)].append(with_oldest_start(state, v.get("oldest")))
     return by_rank
@@ -264,6 +269,10 @@ def _pg_series(pg_samples: list[tuple[str, Sample]], chosen: dict[RankKey, Sourc
         value = ps.value(s)
         if field_name in _COUNT_FIELDS and not ps.is_count(value):
             skipped.add(f"series whose value is not a whole number from -1 to {ps.MAX_SEQ}",
+                        f"{str(s['value'][1])[:EXAMPLE_CHARS]} of {labels.get('__name__', '?')[:EXAMPLE_CHARS]}")
+            continue
+        if field_name == "wait" and not (value is not None and 0.0 <= value <= MAX_WAIT_SECONDS):
+            skipped.add("wait series that are not seconds from 0 to an hour",
                         f"{str(s['value'][1])[:EXAMPLE_CHARS]} of {labels.get('__name__', '?')[:EXAMPLE_CHARS]}")
             continue
         if field_name in _TIME_FIELDS:

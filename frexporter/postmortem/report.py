@@ -16,6 +16,7 @@ from frexporter.analysis.absent import find_absent_in_world
 from frexporter.analysis.findings import Finding, FindingsConfig, waits_in_progress
 from frexporter.analysis.kinds import LAGGING_RANK, PAST_MISMATCH, RANK_ABSENT
 from frexporter.analysis.past_verdicts import lagging_verdict, past_mismatch_verdict
+from frexporter.analysis.straggler import WaitLag, wait_ranking
 from frexporter.analysis.verdicts import Verdict, VerdictConfig, budget_left, evaluate
 from frexporter.fr import trace
 from frexporter.model import ACTIVITY_UNKNOWN, Activity, RankState
@@ -42,6 +43,9 @@ class Report:
     skipped_files: int = 0
     skipped_entries: int = 0
     waits: tuple[Finding, ...] = ()  # waits in progress below their threshold: shown when nothing is stuck
+    # The cross-node straggler ranking (analyze --prometheus, exporters with --collective-waits): per PG, last
+    # arriver first, as the PG dashboard's and FrexporterStraggler's recording rules rank them.
+    stragglers: tuple[WaitLag, ...] = ()
 
 
 def _bundle_file(name: str) -> bool:
@@ -142,7 +146,7 @@ def from_prometheus(url: str, job_id: str | None, stuck_after: float | None = No
         h.kind == RANK_ABSENT and h.job_id == v.job_id for h in verdicts))
     waits = tuple(waits_in_progress(ranks, now, FindingsConfig(stuck_after, complete_view=True)))
     return Report(source=url, ranks=ranks, verdicts=(*verdicts, *absent), waits=waits, problems=view.problems,
-                  skipped_entries=view.skipped_series)
+                  skipped_entries=view.skipped_series, stragglers=tuple(wait_ranking(ranks)))
 
 
 def _count(count: int, singular: str, plural: str) -> str:
@@ -195,12 +199,36 @@ def render_text(report: Report) -> str:
         lines.append(f"{v.kind}: job {v.job_id}, PG {v.pg} ({v.pg_desc}), {v.op} #{v.seq}, "
                      f"rank(s) {','.join(map(str, v.ranks))}")
         lines.append(f"  {v.summary}")
+    lines.extend(_straggler_lines(report.stragglers))
     # Names, descriptions, paths and summaries come from dumps, file names and servers: each line is escaped
     # whole, so that none of them can break it, start a line of its own or drive the terminal.
     return "\n".join(safetext.printable(line) for line in lines)
 
 
 _SHOWN = 16  # ranks listed in a line
+_RANKED = 5  # ranks of a PG listed in the straggler ranking
+
+
+def _straggler_lines(rows: Sequence[WaitLag]) -> list[str]:
+    """Per PG with a straggler, its ranks by lag (the PG dashboard's *Straggler ranking*); one line when none."""
+    if not rows:
+        return []
+    by_pg: dict[tuple[str, str], list[WaitLag]] = {}
+    for row in rows:
+        by_pg.setdefault((row.job_id, row.pg), []).append(row)
+    flagged = [group for group in by_pg.values() if any(row.straggler for row in group)]
+    if not flagged:
+        return [f"no cross-node straggler in {_count(len(by_pg), 'process group', 'process groups')} with waits"]
+    lines = [f"{_count(len(flagged), 'process group', 'process groups')} with a straggler (ranks by lag: the PG's "
+             "median wait inside collectives minus the rank's own, last arriver first):"]
+    for group in flagged:
+        first = group[0]
+        names = [str(row.rank) for row in group if row.straggler]
+        lines.append(f"straggler: job {first.job_id}, PG {first.pg} ({first.pg_desc}), rank(s) {','.join(names)}")
+        ranked = ", ".join(f"rank {row.rank} {row.lag * 1000:+.1f} ms{' *' if row.straggler else ''}"
+                           for row in group[:_RANKED])
+        lines.append(f"  {ranked}")
+    return lines
 
 
 def _ranks(ranks: Sequence[int]) -> str:

@@ -31,6 +31,8 @@ class SourceSettings(Protocol):
     @property
     def per_rank_durations(self) -> bool: ...
     @property
+    def collective_waits(self) -> bool: ...
+    @property
     def strict_permissions(self) -> bool: ...
     @property
     def evidence_stacks(self) -> bool: ...
@@ -71,6 +73,7 @@ def _ranks(settings: SourceSettings) -> BuiltSource:
     config = RanksConfig(
         directory=settings.directory, poll_interval=settings.poll_interval, rank_timeout=settings.rank_timeout,
         deep_interval=settings.deep_interval, per_rank_durations=settings.per_rank_durations,
+        collective_waits=settings.collective_waits,
         strict_permissions=settings.strict_permissions, wedged_stacks=settings.evidence_stacks,
         thresholds=ThresholdConfig(ceiling=settings.stuck_after, floor=settings.stuck_floor,
                                    multiple=settings.stuck_multiple),

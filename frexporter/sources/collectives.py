@@ -316,3 +316,85 @@ class LatenessTracker:
     def forget(self, live: set[GroupKey]) -> None:
         for key in [k for k in self._groups if k not in live]:
             del self._groups[key]
+
+
+MIN_WAIT_SAMPLES = 20  # collectives a rank's wait needs before it is exported: fewer say nothing stable
+WAIT_TRIM = 0.1  # share of the smallest and of the largest waits left out of the mean, each
+MAX_WAIT = 3600.0  # seconds: a longer "wait" without a timeout to bound it is a clock jump, not a wait
+
+
+def entry_wait(entry: FrEntry) -> float | None:
+    """Seconds the rank spent inside one completed collective, from its own node's clock only; None where FR
+    does not say (gloo, torch 2.15's hook without completion, an entry not completed).
+
+    With NCCL timing on, ``duration_ms`` (start to end event on the GPU: the kernel spins until the last peer
+    joins); otherwise completion discovered by the watchdog minus the call (an upper bound: discovery adds the
+    watchdog's poll delay, the same on every rank, and the rank's own GPU backlog at the call).
+    """
+    if entry.is_p2p or entry.collective_seq_id <= 0:
+        return None
+    if entry.duration_ms is not None:
+        wait = entry.duration_ms / 1000.0
+    elif entry.state == "completed" and entry.time_discovered_completed_ns > 0 and entry.time_created_ns > 0:
+        wait = (entry.time_discovered_completed_ns - entry.time_created_ns) / 1e9
+    else:
+        return None
+    bound = entry.timeout_ms / 1000.0 if entry.timeout_ms else MAX_WAIT
+    # Negative or longer than the watchdog lets one wait: the wall clock jumped between the two readings.
+    return wait if 0.0 <= wait <= bound else None
+
+
+@dataclass
+class _Waits:
+    pid: int
+    last_seq: int = 0
+    window: deque[float] = field(default_factory=deque)
+
+
+class WaitTracker:
+    """Per (job, PG, rank): how long the rank waited inside each of its recent collectives of the PG.
+
+    Each value is a difference of two readings of one node's clock (or a GPU duration), so the figures of
+    ranks on different nodes compare in Prometheus with no cross-node clock error: the rank that arrives last
+    waits least, its peers wait for it (docs/durations.md, "Waits across nodes"). The score is a mean with the
+    smallest and the largest tenth left out, so one late collective (a checkpoint) or one clock jump moves it
+    by nothing; fewer than ``min_samples`` collectives give no score.
+    """
+
+    def __init__(self, window: int = DEFAULT_WINDOW, min_samples: int = MIN_WAIT_SAMPLES) -> None:
+        self.window = max(1, window)
+        self.min_samples = max(1, min_samples)
+        self._ranks: dict[tuple[GroupKey, int], _Waits] = {}
+
+    def observe(self, key: GroupKey, rank: int, pid: int, entries: Iterable[FrEntry]) -> None:
+        """Settled entries of one rank incarnation (``pid``), in record order."""
+        waits = self._ranks.get((key, rank))
+        if waits is None or waits.pid != pid:
+            # A new rank or a restart: the last incarnation's waits say nothing about this one.
+            waits = self._ranks[(key, rank)] = _Waits(pid=pid, window=deque(maxlen=self.window))
+        for entry in entries:
+            seq = entry.collective_seq_id
+            if seq <= waits.last_seq:
+                continue  # coalesced entries share a seq: the first one is the rank's wait
+            wait = entry_wait(entry)
+            if wait is None:
+                continue
+            waits.last_seq = seq
+            waits.window.append(wait)
+
+    def score(self, key: GroupKey, rank: int) -> tuple[float | None, int]:
+        """(trimmed mean wait in seconds, samples); None before ``min_samples``."""
+        waits = self._ranks.get((key, rank))
+        if waits is None or not waits.window:
+            return None, 0
+        n = len(waits.window)
+        if n < self.min_samples:
+            return None, n
+        ordered = sorted(waits.window)
+        cut = int(n * WAIT_TRIM)
+        keep = ordered[cut: n - cut] or ordered
+        return sum(keep) / len(keep), n
+
+    def forget(self, live: set[GroupKey]) -> None:
+        for k in [k for k in self._ranks if k[0] not in live]:
+            del self._ranks[k]

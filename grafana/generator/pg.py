@@ -26,6 +26,8 @@ from .promql import (
     R_ENQUEUED_SKEW,
     R_PG_RANKS,
     R_PG_RANKS_INFLIGHT,
+    R_WAIT_LAG,
+    R_WAIT_LOSS,
     age,
     budget_left,
     by,
@@ -55,6 +57,7 @@ def pg_dashboard() -> Board:
     _sequences(b)
     _in_flight_and_watchdog(b)
     _collective_performance(b)
+    _stragglers(b)
     return b
 
 
@@ -258,4 +261,35 @@ def _collective_performance(b: Board) -> None:
         legend="{{op}}",
         width=12,
         height=8,
+    )
+
+
+def _stragglers(b: Board) -> None:
+    b.row("Stragglers across nodes")
+    b.series(
+        timeseries(unit="s", links=[series_link_rank()]),
+        "Wait inside collectives per rank",
+        "Each rank's mean wait inside this group's recent collectives, on its own node's clock (serve "
+        "--collective-waits; NCCL only, gloo records no completion). Collectives end together, so the rank that "
+        "arrives last waits least: a line well below the others is a straggler its peers wait for.",
+        _per_rank(sel(n.RANK_COLLECTIVE_WAIT_SECONDS, *PG)),
+        legend=RANK_LEGEND,
+        width=12,
+        height=8,
+    )
+    b.panel(
+        table(links=(n.L_RANK,), units={"lag": "s", "loss": "percentunit"}, sort_by="lag",
+              no_value="No waits (gloo, or --collective-waits off)"),
+        "Straggler ranking",
+        "Ranks by lag, last arriver first: the group's median wait minus the rank's own, about how long each "
+        "collective waits for it, and the share of the peers' time that costs (loss). FrexporterStraggler names a "
+        "rank whose lag stays over 4 median absolute deviations, 5 ms and 5 % for 5 minutes; frexporter analyze "
+        "--prometheus ranks the same way.",
+        [
+            Target(_per_rank(sel(R_WAIT_LAG, *PG)), instant=True, column="lag"),
+            Target(_per_rank(sel(R_WAIT_LOSS, *PG)), instant=True, column="loss"),
+        ],
+        width=12,
+        height=8,
+        table=True,
     )

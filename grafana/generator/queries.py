@@ -14,7 +14,16 @@ from typing import Any
 from frexporter import naming as n
 
 from .constants import SAMPLE_VARIABLES
-from .promql import ALERTS, R_BUDGET_USED, R_OLDEST_INFLIGHT_AGE, R_PG_RANKS_INFLIGHT, UP
+from .promql import (
+    ALERTS,
+    R_BUDGET_USED,
+    R_OLDEST_INFLIGHT_AGE,
+    R_PG_RANKS_INFLIGHT,
+    R_WAIT_LAG,
+    R_WAIT_LOSS,
+    R_WAIT_MEDIAN,
+    UP,
+)
 
 
 class Needs:
@@ -34,9 +43,11 @@ class Needs:
     COLLECTIVE_METRICS = "collective_metrics"  # duration histogram and byte counters are exported
     RECORDER_ERRORS = "recorder_errors"  # a rank's recorder met an error
     SCRAPE_JOB = "frexporter_scrape_job"  # the Prometheus scrape job name contains "frexporter"
+    COLLECTIVE_WAITS = "collective_waits"  # serve --collective-waits on an NCCL PG of 3+ ranks (a gloo job has none)
 
     ALL = frozenset(
-        {RULES, INFLIGHT, VERDICT, ALERT, GPU, XID, NCCL_TIMING, COLLECTIVE_METRICS, RECORDER_ERRORS, SCRAPE_JOB}
+        {RULES, INFLIGHT, VERDICT, ALERT, GPU, XID, NCCL_TIMING, COLLECTIVE_METRICS, RECORDER_ERRORS, SCRAPE_JOB,
+         COLLECTIVE_WAITS}
     )
 
 
@@ -55,6 +66,10 @@ _NEEDS_BY_METRIC: dict[str, frozenset[str]] = {
     n.COLLECTIVE_BYTES_TOTAL: frozenset({Needs.COLLECTIVE_METRICS}),
     n.RANK_RECORDER_ERRORS_TOTAL: frozenset({Needs.RECORDER_ERRORS}),
     n.GPU_XID_ERRORS_TOTAL: frozenset({Needs.GPU, Needs.XID}),
+    n.RANK_COLLECTIVE_WAIT_SECONDS: frozenset({Needs.COLLECTIVE_WAITS}),
+    R_WAIT_MEDIAN: frozenset({Needs.RULES, Needs.COLLECTIVE_WAITS}),
+    R_WAIT_LAG: frozenset({Needs.RULES, Needs.COLLECTIVE_WAITS}),
+    R_WAIT_LOSS: frozenset({Needs.RULES, Needs.COLLECTIVE_WAITS}),
 }
 
 

@@ -135,6 +135,9 @@ EXCLUDED = sorted([
     ("frexporter-pg", "Collective duration by op"),  # collective_metrics: p50
     ("frexporter-pg", "Collective duration by op"),  # collective_metrics: p99
     ("frexporter-pg", "Last started collective per rank (NCCL)"),  # nccl_timing
+    ("frexporter-pg", "Straggler ranking"),  # collective_waits: lag
+    ("frexporter-pg", "Straggler ranking"),  # collective_waits: loss
+    ("frexporter-pg", "Wait inside collectives per rank"),  # collective_waits
     ("frexporter-rank", "GPU ECC errors"),
     ("frexporter-rank", "GPU NVLink errors"),
     ("frexporter-rank", "GPU Xid events"),
@@ -210,4 +213,4 @@ def test_every_dashboard_query_returns_data_for_a_desync(
         promstack.query(expr)
     with capsys.disabled():
         print(f"\n[views] {len(chosen)} dashboard queries returned data for {job_id}; "
-              f"{len(excluded)} excluded (GPU, NCCL timing, collective metrics, recorder errors)")
+              f"{len(excluded)} excluded (GPU, NCCL timing, collective metrics, collective waits, recorder errors)")

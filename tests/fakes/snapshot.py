@@ -28,11 +28,13 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "metrics.txt"
 
 
 def pg(name: str, desc: str, enq: int, done: int, inflight: tuple[InflightCollective, ...] = (),
-       progress: float | None = 1700000000.0, lateness: float | None = None) -> PGState:
+       progress: float | None = 1700000000.0, lateness: float | None = None,
+       wait: float | None = None) -> PGState:
     return PGState(name=name, desc=desc, ranks=(0, 1), backend="cpu:gloo", last_enqueued=enq, last_started=-1,
                    last_completed=done, inflight=inflight, inflight_count=enq - done, timeout_seconds=1800.0,
                    last_progress=progress, exact=True, has_p2p=False, lateness_seconds=lateness,
                    lateness_samples=0 if lateness is None else 200,
+                   wait_seconds=wait, wait_samples=0 if wait is None else 200,
                    stuck_threshold_seconds=10.0 if name == "0" else None,
                    stuck_ceiling_seconds=60.0 if name == "0" else None)
 
@@ -44,7 +46,7 @@ def fixed_snapshot() -> NodeSnapshot:
         RankState(job_id="llm", rank=0, local_rank=0, world_size=2, hostname="node-a", pid=101,
                   torch_version="2.13.0+cpu", gpu_uuid="GPU-aaaa", status=RANK_OK, heartbeat=1700000200.0,
                   heartbeat_age=0.2, socket_alive=None,
-                  pgs=(pg("0", "default_pg", 8, 7, (stuck,)), pg("1", "tp", 3, 3, lateness=0.0)),
+                  pgs=(pg("0", "default_pg", 8, 7, (stuck,)), pg("1", "tp", 3, 3, lateness=0.0, wait=0.0425)),
                   recorder_errors={"OSError": 2},
                   activity=Activity(state=ACTIVITY_IDLE, frames=(("wait_for_data", "train.py", 40),),
                                     cpu_percent=1.5, since=1700000180.0)),

@@ -43,6 +43,7 @@ def test_serve_defaults_come_from_one_place(tmp_path: Path) -> None:
     host, port = cli.parse_listen(defaults.LISTEN)
     assert cli.serve_config(args) == ServeConfig(directory=str(tmp_path), host=host, port=port)
     assert cli.serve_config(_serve_args("--dir", str(tmp_path), "--no-source.nvml")).sources == {n.SOURCE_RANKS}
+    assert cli.serve_config(_serve_args("--dir", str(tmp_path), "--collective-waits")).collective_waits
 
 
 def _sources(exporter: Exporter) -> dict[str, object]:
@@ -51,12 +52,12 @@ def _sources(exporter: Exporter) -> dict[str, object]:
 
 def test_build_app_creates_only_the_enabled_sources_and_wires_their_options(tmp_path: Path) -> None:
     app = build_app(ServeConfig(str(tmp_path), sources=(n.SOURCE_RANKS,), per_rank_durations=True, evidence_dir="",
-                                verdict_confirm_after=7.0))
+                                verdict_confirm_after=7.0, collective_waits=True))
     try:
         sources = _sources(app.exporter)
         assert set(sources) == {n.SOURCE_RANKS}
         ranks = sources[n.SOURCE_RANKS]
-        assert isinstance(ranks, RanksSource) and ranks.config.per_rank_durations
+        assert isinstance(ranks, RanksSource) and ranks.config.per_rank_durations and ranks.config.collective_waits
         assert app.events is not None and app.events.tracker.confirm_after == 7.0
     finally:
         app.stop()

@@ -21,6 +21,9 @@ class RanksConfig:
     max_workers: int = 8
     per_rank_durations: bool = False  # collective durations and bytes per rank instead of per node
     straggler_window: int = DEFAULT_WINDOW  # collectives per rank the lateness score averages over
+    # Each rank's mean wait inside each PG's collectives (frexporter_rank_collective_wait_seconds, the cross-node
+    # straggler signal): one more series per rank and PG, so off by default (docs/durations.md).
+    collective_waits: bool = False
     strict_permissions: bool = False  # a spool others may write is not read at all (source down), not just warned
     thresholds: ThresholdConfig = field(default_factory=ThresholdConfig)  # adaptive stuck threshold per PG
     # A wedged rank's training-thread stack from py-spy, through torch's pyspy_dump handler (sources/pyspy.py);

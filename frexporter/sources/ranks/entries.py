@@ -1,4 +1,4 @@
-"""FR entries of deep reads -> collective durations and bytes, and each rank's lateness: every entry once."""
+"""FR entries of deep reads -> collective durations and bytes, each rank's lateness and its waits: every entry once."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ from collections.abc import Iterable, Mapping
 from frexporter import spool
 from frexporter.fr import trace
 from frexporter.model import CollectiveStats
-from frexporter.sources.collectives import CollectiveAccumulator, EntryCursor, GroupKey, LatenessTracker
+from frexporter.sources.collectives import CollectiveAccumulator, EntryCursor, GroupKey, LatenessTracker, WaitTracker
 from frexporter.sources.ranks.track import RankTrack
 
 
 class EntryFeed:
-    def __init__(self, ranks: Mapping[str, RankTrack], per_rank: bool, window: int) -> None:
+    def __init__(self, ranks: Mapping[str, RankTrack], per_rank: bool, window: int, waits: bool = False) -> None:
         self._ranks = ranks  # every tracked rank: a group's local members
         self._collectives = CollectiveAccumulator(per_rank=per_rank)
         self._lateness = LatenessTracker(window=window)
+        self._waits = WaitTracker(window=window) if waits else None  # --collective-waits
 
     def absorb(self, track: RankTrack, recorder: str, dump: trace.FrDump) -> int:
         """Feed entries not seen before to the duration/bytes counters and the lateness tracker, once each; the
@@ -28,6 +29,8 @@ class EntryFeed:
             if entry.pg_name:
                 pg_entry = table.get(entry.pg_name)
                 self._collectives.add(m.job_id, m.rank, pg_entry.desc if pg_entry else entry.pg_desc, entry)
+        if self._waits is not None:
+            self._observe_waits(self._waits, track, recorder, settled)
         by_pg: dict[str, list[trace.FrEntry]] = {}
         for entry in fresh:
             if entry.pg_name in table:
@@ -39,6 +42,20 @@ class EntryFeed:
                 self._lateness.observe(key, self._local_members(key), m.rank, entries)
         return missed
 
+    @staticmethod
+    def _observe_waits(waits: WaitTracker, track: RankTrack, recorder: str, settled: list[trace.FrEntry]) -> None:
+        """Settled entries, per PG of the rank's manifest, to the wait tracker."""
+        names = {pg.name for pg in track.manifest.process_groups}
+        by_pg: dict[str, list[trace.FrEntry]] = {}
+        for entry in settled:
+            if entry.pg_name in names:
+                by_pg.setdefault(entry.pg_name, []).append(entry)
+        keys = group_keys(track)
+        for name, entries in by_pg.items():
+            key = keys.get((recorder, name))
+            if key is not None:
+                waits.observe(key, track.manifest.rank, track.manifest.pid, entries)
+
     def lateness(self, track: RankTrack, recorder: str, pg_name: str) -> tuple[float, int] | None:
         """(seconds, samples) of the rank's lateness in a PG, once there is a score."""
         if not self._lateness.scored:
@@ -49,11 +66,22 @@ class EntryFeed:
         lateness, samples = self._lateness.score(key, track.manifest.rank)
         return None if lateness is None else (lateness, samples)
 
+    def wait(self, track: RankTrack, recorder: str, pg_name: str) -> tuple[float, int] | None:
+        """(seconds, samples) of the rank's mean wait inside the PG's recent collectives, once there is one."""
+        key = group_keys(track).get((recorder, pg_name))
+        if key is None or self._waits is None:
+            return None
+        wait, samples = self._waits.score(key, track.manifest.rank)
+        return None if wait is None else (wait, samples)
+
     def retain(self, tracks: Iterable[RankTrack]) -> None:
         """Forget the jobs and groups no tracked rank belongs to any more."""
         tracks = list(tracks)
         self._collectives.forget_jobs({t.manifest.job_id for t in tracks})
-        self._lateness.forget({key for t in tracks for key in group_keys(t).values()})
+        live = {key for t in tracks for key in group_keys(t).values()}
+        self._lateness.forget(live)
+        if self._waits is not None:
+            self._waits.forget(live)
 
     def snapshot(self) -> tuple[CollectiveStats, ...]:
         """Completed collectives so far (durations, bytes)."""

@@ -55,7 +55,9 @@ class RanksSource:
         self._problems = Problems(log, self._monotonic)
         permissions = PermissionPolicy(config.directory, config.strict_permissions, trust, self._problems)
         self._spool = SpoolReader(config.directory, permissions, trust, self._problems, clock, self._monotonic)
-        self._feed = EntryFeed(self._ranks, per_rank=config.per_rank_durations, window=config.straggler_window)
+        self._feed = EntryFeed(self._ranks, per_rank=config.per_rank_durations, window=config.straggler_window,
+                               waits=config.collective_waits)
+        self._collective_waits = config.collective_waits
         self._sockets = SocketScheduler(config, trust, self._problems, self._feed)
         self._thresholds = ThresholdLearner(config.thresholds)
         self._statvfs = statvfs
@@ -183,5 +185,9 @@ class RanksSource:
             lateness = self._feed.lateness(track, recorder, name)
             if lateness is not None:
                 state = replace(state, lateness_seconds=lateness[0], lateness_samples=lateness[1])
+            if self._collective_waits:
+                wait = self._feed.wait(track, recorder, name)
+                if wait is not None:
+                    state = replace(state, wait_seconds=wait[0], wait_samples=wait[1])
             out.append(state)
         return tuple(out)
