@@ -122,7 +122,8 @@ def nvml_smoke(args: argparse.Namespace) -> int:
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
 METRIC_PREFIXES = (n.COLLECTIVE_DURATION_SECONDS, n.COLLECTIVE_BYTES_TOTAL, n.PG_LAST_ENQUEUED_SEQ,
-                   n.PG_LAST_STARTED_SEQ, n.PG_LAST_COMPLETED_SEQ, n.PG_INFLIGHT_COLLECTIVES, n.VERDICT)
+                   n.PG_LAST_STARTED_SEQ, n.PG_LAST_COMPLETED_SEQ, n.PG_INFLIGHT_COLLECTIVES, n.VERDICT,
+                   n.RANK_COLLECTIVE_WAIT_SECONDS)
 
 
 def _cuda_problem(cpu: bool) -> str | None:
@@ -224,7 +225,7 @@ def nccl_smoke(args: argparse.Namespace) -> int:
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     app = build_app(ServeConfig(str(spool), port=0, poll_interval=0.5, stuck_after=args.stuck_after, rank_timeout=2.0,
                                 sources=("ranks",) if args.cpu_dry_run else ("ranks", "nvml"), deep_interval=1.0,
-                                evidence_dir=""))
+                                evidence_dir="", collective_waits=True))
     started = False
     try:
         _wait("rank ready", (control / "ready").exists, 120, proc)
