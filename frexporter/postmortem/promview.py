@@ -271,9 +271,10 @@ def _pg_series(pg_samples: list[tuple[str, Sample]], chosen: dict[RankKey, Sourc
             skipped.add(f"series whose value is not a whole number from -1 to {ps.MAX_SEQ}",
                         f"{str(s['value'][1])[:EXAMPLE_CHARS]} of {labels.get('__name__', '?')[:EXAMPLE_CHARS]}")
             continue
-        if field_name == "wait" and not (value is not None and 0.0 <= value <= MAX_WAIT_SECONDS):
-            skipped.add("wait series that are not seconds from 0 to an hour",
-                        f"{str(s['value'][1])[:EXAMPLE_CHARS]} of {labels.get('__name__', '?')[:EXAMPLE_CHARS]}")
+        if field_name == "wait" and (value is None or not 0.0 <= value <= MAX_WAIT_SECONDS):
+            if value is not None:  # a sample with no number (NaN, none at all) says nothing: dropped quietly
+                skipped.add("wait series that are not seconds from 0 to an hour",
+                            f"{value!r:.{EXAMPLE_CHARS}} of {labels.get('__name__', '?')[:EXAMPLE_CHARS]}")
             continue
         if field_name in _TIME_FIELDS:
             value = _moved(value, offsets.get(chosen[key], 0.0))
