@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -80,6 +82,27 @@ def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}: last={last!r}")
         time.sleep(interval)
+
+
+def hold(check: Callable[[], None], seconds: float, interval: float = 0.05) -> None:
+    """Run ``check`` (which asserts) again and again for ``seconds``: that something stays true, by deadline."""
+    deadline = time.monotonic() + seconds
+    while True:
+        check()
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(interval)
+
+
+def try_get(url: str, timeout: float = 5.0) -> tuple[int, str] | None:
+    """(status, body) of a GET, an HTTP error's too; None while nothing answers (a server still starting)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return None
 
 
 def free_port() -> int:

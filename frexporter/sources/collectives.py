@@ -349,6 +349,7 @@ class _Waits:
     pid: int
     last_seq: int = 0
     window: deque[float] = field(default_factory=deque)
+    score: float | None = None  # the window's trimmed mean, until the window changes (scores are asked every poll)
 
 
 class WaitTracker:
@@ -381,6 +382,7 @@ class WaitTracker:
                 continue
             waits.last_seq = seq
             waits.window.append(wait)
+            waits.score = None
 
     def score(self, key: GroupKey, rank: int) -> tuple[float | None, int]:
         """(trimmed mean wait in seconds, samples); None before ``min_samples``."""
@@ -390,10 +392,12 @@ class WaitTracker:
         n = len(waits.window)
         if n < self.min_samples:
             return None, n
-        ordered = sorted(waits.window)
-        cut = int(n * WAIT_TRIM)
-        keep = ordered[cut: n - cut] or ordered
-        return sum(keep) / len(keep), n
+        if waits.score is None:
+            ordered = sorted(waits.window)
+            cut = int(n * WAIT_TRIM)
+            keep = ordered[cut: n - cut] or ordered
+            waits.score = sum(keep) / len(keep)
+        return waits.score, n
 
     def forget(self, live: set[GroupKey]) -> None:
         for k in [k for k in self._ranks if k[0] not in live]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Job, wait_for
+from tests.harness import Job, hold, wait_for
 from tests.promstack import INTERVAL_S, SCALE, Notification, PromStack
 from tests.rulefile import load_rules, parse_duration
 
@@ -52,16 +52,6 @@ def _start_exporter(promstack: PromStack, exporter_factory: Callable[..., Any], 
 
 def _firing(promstack: PromStack, alertname: str, job_id: str) -> list[Notification]:
     return [n for n in promstack.webhook.notifications(alertname=alertname, job_id=job_id) if n.status == "firing"]
-
-
-def _hold(check: Callable[[], None], seconds: float) -> None:
-    """Run ``check`` (which asserts) repeatedly for ``seconds``: a deadline, not a sleep."""
-    deadline = time.monotonic() + seconds
-    while True:
-        check()
-        if time.monotonic() >= deadline:
-            return
-        time.sleep(POLL_S)
 
 
 def _report(capsys: pytest.CaptureFixture[str], line: str) -> None:
@@ -104,7 +94,7 @@ def test_skipped_subgroup_collective_pages_only_the_root_rank(
                   for a in promstack.alerts(alertname=DESYNC, job_id=job_id)}
         assert {(rank, pg) for rank, pg, _ in active} <= {("3", "pair23")}, active
 
-    _hold(only_rank_3, hold_for + 4.0)
+    hold(only_rank_3, hold_for + 4.0, POLL_S)
     # Anything that came and went between two polls, pending included.
     window = int(time.time() - skipped_at) + 2
     others = promstack.query(f'max_over_time(ALERTS{{job_id="{job_id}",rank!="3"}}[{window}s])')
@@ -137,7 +127,7 @@ def test_legitimately_slow_rank0_does_not_page(
         assert firing == [], firing
 
     window = 2 * (threshold + hold_for) + 1.0
-    _hold(quiet, window)
+    hold(quiet, window, POLL_S)
     span = int(time.time() - started) + 1
     assert promstack.query(f'max_over_time(ALERTS{{job_id="{job_id}",alertstate="firing"}}[{span}s])') == []
     longest = float(promstack.query(f"max_over_time(({age})[{span}s:])")[0]["value"][1])

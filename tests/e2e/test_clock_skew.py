@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from frexporter import naming as n
+from tests.harness import hold as hold_true
 from tests.harness import wait_for
 from tests.promstack import SCALE, PromStack
 from tests.rulefile import load_rules, parse_duration
@@ -106,10 +107,10 @@ def test_nodes_120s_off_neither_page_nor_delay_a_page(promstack: PromStack) -> N
         fired = time.time() - wedged_at
         assert fired >= age + hold, fired
         # Meanwhile, and for a while longer, the healthy job on the node behind has nothing even pending.
-        until = time.monotonic() + 2 * hold
-        while time.monotonic() < until:
+        def quiet_behind() -> None:
             assert [a for a in promstack.alerts(job_id=behind) if a["labels"]["alertname"] in SKEW_PAGED] == []
-            time.sleep(POLL_S)
+
+        hold_true(quiet_behind, 2 * hold, POLL_S)
         (beat,) = promstack.query(f'job_id:frexporter_rank_heartbeat_age_seconds:max{{job_id="{behind}"}}')
         assert 0 <= float(beat["value"][1]) < 3 * promstack.interval, beat
         (wait,) = promstack.query(

@@ -19,8 +19,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ import yaml
 import frexporter
 from frexporter import spool
 from tests import spoolgen
-from tests.harness import REPO, free_port, require, require_tool, wait_for
+from tests.harness import REPO, free_port, require, require_tool, try_get, wait_for
 
 TAG = "localhost/frexporter:e2e"
 JOB_ID = "image-test"
@@ -156,16 +154,6 @@ def test_entrypoint_version(image: Image, tmp_path: Path) -> None:
     assert out.stdout.strip() == f"frexporter {frexporter.__version__}"
 
 
-def get(url: str) -> tuple[int, str] | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return None
-
-
 def uid_of(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Uid:"):
@@ -196,7 +184,7 @@ def test_entrypoint_serves_a_spool(image: Image, tmp_path: Path) -> None:
         def scraped() -> str | None:
             if proc.poll() is not None:  # not an AssertionError: wait_for would keep polling to its deadline
                 raise RuntimeError(f"serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-            answer = get(base + "/metrics")
+            answer = try_get(base + "/metrics")
             return answer[1] if answer and answer[0] == 200 and f'job_id="{JOB_ID}"' in answer[1] else None
 
         text = wait_for(scraped, timeout=60, what="the rank in the image's /metrics")

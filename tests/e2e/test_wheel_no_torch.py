@@ -22,8 +22,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ from typing import TypeVar
 import pytest
 
 from frexporter import spool
-from tests.harness import REPO, missing, require_module, tools_dir
+from tests.harness import REPO, missing, require_module, tools_dir, try_get
 
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
@@ -306,16 +304,6 @@ def wait_for(check: Callable[[], T | None], timeout: float, what: str, proc: sub
         time.sleep(0.05)
 
 
-def get(url: str) -> tuple[int, str] | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return None
-
-
 @pytest.fixture
 def served(venv: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
     """The image's ENTRYPOINT + CMD with the image's ENV, on a spool holding one synthetic rank."""
@@ -331,7 +319,7 @@ def served(venv: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[b
                                 env=clean_env(venv, tmp_path, image_env(stage)))
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: (get(base + "/healthz") or (0, ""))[0] == 200 or None, 60, "healthy /healthz", proc, log)
+        wait_for(lambda: (try_get(base + "/healthz") or (0, ""))[0] == 200 or None, 60, "healthy /healthz", proc, log)
         yield base, proc, log
     finally:
         if proc.poll() is None:
@@ -347,7 +335,7 @@ def test_entrypoint_serves_metrics_without_torch(served: tuple[str, subprocess.P
     base, proc, log = served
 
     def rank_metrics() -> str | None:
-        answer = get(base + "/metrics")
+        answer = try_get(base + "/metrics")
         if answer and answer[0] == 200 and f'job_id="{JOB_ID}"' in answer[1]:
             return answer[1]
         return None
@@ -358,7 +346,7 @@ def test_entrypoint_serves_metrics_without_torch(served: tuple[str, subprocess.P
     assert len(rank_info) == 1 and 'hostname="trainer-0"' in rank_info[0] and 'rank="0"' in rank_info[0]
     completed = [ln for ln in text.splitlines() if ln.startswith("frexporter_pg_last_completed_seq{")]
     assert completed and completed[0].endswith(" 7.0"), completed
-    status = get(base + "/api/v1/status")
+    status = try_get(base + "/api/v1/status")
     assert status is not None and status[0] == 200
     assert [r["rank"] for r in json.loads(status[1])["ranks"]] == [0]
     # SIGTERM (what the kubelet sends) is a clean exit.

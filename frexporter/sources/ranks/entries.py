@@ -68,8 +68,10 @@ class EntryFeed:
 
     def wait(self, track: RankTrack, recorder: str, pg_name: str) -> tuple[float, int] | None:
         """(seconds, samples) of the rank's mean wait inside the PG's recent collectives, once there is one."""
+        if self._waits is None:  # off (the default): asked for every rank's every PG on every poll
+            return None
         key = group_keys(track).get((recorder, pg_name))
-        if key is None or self._waits is None:
+        if key is None:
             return None
         wait, samples = self._waits.score(key, track.manifest.rank)
         return None if wait is None else (wait, samples)
