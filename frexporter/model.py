@@ -253,6 +253,11 @@ class PGState:
     # where FR has no completion (gloo) or before enough samples. The last arriver waits least.
     wait_seconds: float | None = None
     wait_samples: int = 0
+    # The same where FR records no completion (gloo): unix seconds, this rank's mean call time over the PG's
+    # current block of collectives, which every node picks alike from its own clock (sources/arrivals.py). The last
+    # arriver calls latest; ranks on different nodes compare up to the nodes' clock offset.
+    arrival_timestamp: float | None = None
+    arrival_stamp: float | None = None  # unix seconds the arrival's sample is stamped with (its grid instant's)
     # Seconds a collective of this PG may wait before it counts as stuck, learned from the PG's history
     # (frexporter/sources/thresholds.py); None where nobody learned one (dumps, old series): the fixed one.
     stuck_threshold_seconds: float | None = None

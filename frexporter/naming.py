@@ -82,6 +82,8 @@ COLLECTIVE_BYTES_TOTAL = PREFIX + "collective_bytes_total"
 RANK_STRAGGLER_LATENESS_SECONDS = PREFIX + "rank_straggler_lateness_seconds"
 # Cross-node straggler signal (per rank and PG, seconds): mean wait inside the PG's recent collectives.
 RANK_COLLECTIVE_WAIT_SECONDS = PREFIX + "rank_collective_wait_seconds"
+# The same where FR records no completion (gloo): unix time, the rank's mean call time over the PG's current block.
+RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS = PREFIX + "rank_collective_arrival_timestamp_seconds"
 # Deprecated: the same value under its first name, which hid its unit. Exported alongside the new name for one
 # release (CHANGELOG.md), then removed together with this constant.
 RANK_STRAGGLER_SCORE_DEPRECATED = PREFIX + "rank_straggler_score"

@@ -163,6 +163,11 @@ class SnapshotCollector(Collector):
                                  "collectives (smallest and largest tenth left out), from its own node's clock: "
                                  "compares across nodes, the last arriver waits least; NCCL only, with "
                                  "--collective-waits.", labels=labels)
+        arrival = GaugeMetricFamily(n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS,
+                                    "Unix time the rank calls this PG's collectives, mean over the block of "
+                                    "collectives every node picks for the current grid instant (stamped with its "
+                                    "time): compares across nodes up to their clock offset, the last arriver calls "
+                                    "latest; gloo (no completion recorded), with --collective-waits.", labels=labels)
         # Kept for one release so queries written against the first name keep working (CHANGELOG.md).
         straggler_old = GaugeMetricFamily(n.RANK_STRAGGLER_SCORE_DEPRECATED,
                                           f"Deprecated, removed in the next release: use "
@@ -191,6 +196,10 @@ class SnapshotCollector(Collector):
                     straggler_old.add_sample(straggler_old.name, key, pg.lateness_seconds)
                 if pg.wait_seconds is not None:
                     wait.add_sample(wait.name, key, pg.wait_seconds)
+                if pg.arrival_timestamp is not None:
+                    # Stamped with its grid instant's time, not the scrape's: Prometheus then holds the same
+                    # instant of every node, however their scrapes are spread (sources/arrivals.py).
+                    arrival.add_sample(arrival.name, key, pg.arrival_timestamp, timestamp=pg.arrival_stamp)
         for (job_id, name, desc), facts in static.items():
             info.add_metric([job_id, name, desc, str(facts.size), facts.backend], 1)
             if facts.timeout is not None:
@@ -200,7 +209,7 @@ class SnapshotCollector(Collector):
             if facts.ceiling is not None:
                 ceiling.add_metric([job_id, name, desc], facts.ceiling)
         yield from (info, enq, started, done, inflight, oldest, timeout, threshold, ceiling, progress, straggler,
-                    straggler_old, wait)
+                    straggler_old, wait, arrival)
 
     @staticmethod
     def _collectives(snap: NodeSnapshot) -> Iterator[Metric]:

@@ -14,7 +14,7 @@ import enum
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -49,6 +49,12 @@ MAX_WORLD_SIZE = MAX_PG_MEMBERS  # a world_size label beyond any real job is not
 # would expand into gigabytes, cost ~200 MB at most.
 MAX_EXPANDED_MEMBERS = MAX_MANIFEST_MEMBERS
 _PLAIN = "{metric}{sel}"
+# Gloo's arrivals are stamped with their grid instant's time and read one grid period back, as the rule reads them:
+# by then every node's sample of the same instant is in (frexporter/sources/arrivals.py, ARRIVAL_GRID, which this
+# layer may not import: tests/unit/test_arrival_ranking.py holds the two equal).
+_ONE_GRID_BACK = "{metric}{sel} offset 15s"
+# Collectives a second over the rules' window: how far apart the blocks of arrivals are.
+_RATE = "rate({metric}{sel}[1m])"
 _BUSY_HOLD = f"max_over_time({{metric}}{{sel}}[{BUSY_HOLD_SECONDS:.0f}s])"
 # Per exporter (no job_id label): those that report one of the job's ranks.
 _OF_THE_JOB = f" and on (job, instance) {n.RANK_UP}{{sel}}"
@@ -85,6 +91,10 @@ class Query(enum.Enum):
     PG_PROGRESS = (n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS, _PLAIN)
     # Each rank's mean wait inside a PG's collectives (exporters with --collective-waits): the straggler ranking.
     PG_WAIT = (n.RANK_COLLECTIVE_WAIT_SECONDS, _PLAIN)
+    # The same where FR records no completion (gloo): each rank's mean call time at the PG's current block.
+    PG_ARRIVAL = (n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS, _ONE_GRID_BACK)
+    # Each rank's collectives a second in the PG, which the rule divides half a block of arrivals by.
+    PG_RATE = (n.PG_LAST_ENQUEUED_SEQ, _RATE)
     VERDICT = (n.VERDICT, _PLAIN)
     ACTIVITY = (n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS, _PLAIN)
     # Busy at any time within the hold, as FrexporterCollectiveDesync asks it (model.BUSY_HOLD_SECONDS).
@@ -102,10 +112,11 @@ Answers = Mapping[Query, list[Sample]]  # a query left out is one that returned 
 
 _PG_FIELDS = {Query.PG_ENQUEUED: "enqueued", Query.PG_COMPLETED: "completed", Query.PG_STARTED: "started",
               Query.PG_INFLIGHT: "inflight", Query.PG_OLDEST: "oldest", Query.PG_PROGRESS: "progress",
-              Query.PG_WAIT: "wait"}
+              Query.PG_WAIT: "wait", Query.PG_ARRIVAL: "arrival"}
 _COUNT_FIELDS = frozenset({"enqueued", "completed", "started", "inflight"})
 _TIME_FIELDS = frozenset({"oldest", "progress"})  # node timestamps
 PGKey = tuple[str, str]  # (job id, PG)
+RankPGKey = tuple[str, int, str]  # (job id, rank, PG)
 ByRank = dict[RankKey, dict[Source, Sample]]
 
 
@@ -116,6 +127,9 @@ class JobView:
     ranks: tuple[RankState, ...]
     problems: list[str]
     skipped_series: int
+    # Each rank's collectives a second in each PG (rate over the rules' window), for the straggler ranking by
+    # arrivals: PGState has no rate, a single scrape cannot give one.
+    collective_rates: Mapping[RankPGKey, float] = field(default_factory=dict)
 
 
 def rebuild(answers: Answers, now: float, stale_after: float = STALE_HEARTBEAT_SECONDS) -> JobView:
@@ -134,7 +148,8 @@ def rebuild(answers: Answers, now: float, stale_after: float = STALE_HEARTBEAT_S
     are the ones the node's own clock gives, whatever its offset; an older exporter's are taken as they are.
     """
     skipped = ps.Skipped()
-    got = {q: ps.screened(answers.get(q, []), skipped) for q in Query}
+    # The rates' series are PG_ENQUEUED's, screened and counted there: one left out here is not counted again.
+    got = {q: ps.screened(answers.get(q, []), ps.Skipped() if q is Query.PG_RATE else skipped) for q in Query}
     up, heartbeat, scraped, info = (ps.by_source(got[q]) for q in (Query.UP, Query.HEARTBEAT, Query.SCRAPED,
                                                                      Query.INFO))
     polls = _per_exporter(got[Query.POLL])
@@ -171,7 +186,8 @@ def rebuild(answers: Answers, now: float, stale_after: float = STALE_HEARTBEAT_S
             activity=_activity(pick(activity, key), culprits.get(key), now if key in busy_lately else None,
                                offset),
         ))
-    return JobView(ranks=tuple(out), problems=skipped.lines(), skipped_series=skipped.series)
+    return JobView(ranks=tuple(out), problems=skipped.lines(), skipped_series=skipped.series,
+                   collective_rates=_rates(got[Query.PG_RATE], chosen))
 
 
 def _chosen(up: ByRank, heartbeat: ByRank, info: ByRank, pg_samples: list[tuple[str, Sample]],
@@ -249,7 +265,7 @@ def _pg_states(pg_series: dict[tuple[str, int, str], dict[str, Any]], members: d
             inflight_count=max(0, enq - done) if inflight is None else max(0, int(inflight)),
             timeout_seconds=timeouts.get((job, pg)), last_progress=v.get("progress"), exact=True, has_p2p=False,
             stuck_threshold_seconds=thresholds.get((job, pg)), stuck_ceiling_seconds=ceilings.get((job, pg)),
-            wait_seconds=v.get("wait"),
+            wait_seconds=v.get("wait"), arrival_timestamp=v.get("arrival"),
         )
         by_rank[(job, rank)].append(with_oldest_start(state, v.get("oldest")))
     return by_rank
@@ -276,6 +292,13 @@ def _pg_series(pg_samples: list[tuple[str, Sample]], chosen: dict[RankKey, Sourc
                 skipped.add("wait series that are not seconds from 0 to an hour",
                             f"{value!r:.{EXAMPLE_CHARS}} of {labels.get('__name__', '?')[:EXAMPLE_CHARS]}")
             continue
+        if field_name == "arrival" and (value is None or value < 0):
+            if value is not None:  # as for waits: no number says nothing, a negative one is no exporter's
+                skipped.add("arrival series that are no unix time (below 0)",
+                            f"{value!r:.{EXAMPLE_CHARS}} of {labels.get('__name__', '?')[:EXAMPLE_CHARS]}")
+            continue
+        # Arrivals stay on their node's clock, as the rule compares them: moved by the offset (known only to the
+        # time between a poll and its scrape, seconds) they would be off by far more than a lag of milliseconds.
         if field_name in _TIME_FIELDS:
             value = _moved(value, offsets.get(chosen[key], 0.0))
         pg_key = (*key, labels[n.L_PG])
@@ -283,6 +306,20 @@ def _pg_series(pg_samples: list[tuple[str, Sample]], chosen: dict[RankKey, Sourc
         series[field_name] = value
         series["desc"] = labels.get(n.L_PG_DESC, "")
     return pg_series
+
+
+def _rates(samples: list[Sample], chosen: dict[RankKey, Source]) -> dict[RankPGKey, float]:
+    """Each rank's collectives a second in each PG, from its chosen exporter. Kept apart from the PG series: a
+    rate alone makes no rank a member of a PG. One below 0 or of no number is left out uncounted: no rate() gives
+    one, and the seq series it would be the rate of is counted where bad."""
+    out: dict[RankPGKey, float] = {}
+    for s in samples:
+        labels = s["metric"]
+        key, value = ps.rank_key(labels), ps.value(s)
+        if key is None or n.L_PG not in labels or ps.source(labels) != chosen.get(key) or value is None or value < 0:
+            continue
+        out[(key[0], key[1], labels[n.L_PG])] = value
+    return out
 
 
 def _activity(sample: Sample | None, culprit: Activity | None, last_busy: float | None, offset: float) -> Activity:

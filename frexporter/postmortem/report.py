@@ -43,8 +43,9 @@ class Report:
     skipped_files: int = 0
     skipped_entries: int = 0
     waits: tuple[Finding, ...] = ()  # waits in progress below their threshold: shown when nothing is stuck
-    # The cross-node straggler ranking (analyze --prometheus, exporters with --collective-waits): per PG, last
-    # arriver first, as the PG dashboard's and FrexporterStraggler's recording rules rank them.
+    # The cross-node straggler ranking (analyze --prometheus, exporters with --collective-waits): per PG, by waits
+    # (NCCL) or arrivals (gloo), last arriver first, as the PG dashboard's and FrexporterStraggler's recording
+    # rules rank them.
     stragglers: tuple[WaitLag, ...] = ()
 
 
@@ -146,7 +147,7 @@ def from_prometheus(url: str, job_id: str | None, stuck_after: float | None = No
         h.kind == RANK_ABSENT and h.job_id == v.job_id for h in verdicts))
     waits = tuple(waits_in_progress(ranks, now, FindingsConfig(stuck_after, complete_view=True)))
     return Report(source=url, ranks=ranks, verdicts=(*verdicts, *absent), waits=waits, problems=view.problems,
-                  skipped_entries=view.skipped_series, stragglers=tuple(wait_ranking(ranks)))
+                  skipped_entries=view.skipped_series, stragglers=tuple(wait_ranking(ranks, view.collective_rates)))
 
 
 def _count(count: int, singular: str, plural: str) -> str:
@@ -210,7 +211,8 @@ _RANKED = 5  # ranks of a PG listed in the straggler ranking
 
 
 def _straggler_lines(rows: Sequence[WaitLag]) -> list[str]:
-    """Per PG with a straggler, its ranks by lag (the PG dashboard's *Straggler ranking*); one line when none."""
+    """Per PG with a straggler, its ranks by lag and the signal they were ranked by (the PG dashboard's *Straggler
+    ranking*); one line when none."""
     if not rows:
         return []
     by_pg: dict[tuple[str, str], list[WaitLag]] = {}
@@ -218,13 +220,16 @@ def _straggler_lines(rows: Sequence[WaitLag]) -> list[str]:
         by_pg.setdefault((row.job_id, row.pg), []).append(row)
     flagged = [group for group in by_pg.values() if any(row.straggler for row in group)]
     if not flagged:
-        return [f"no cross-node straggler in {_count(len(by_pg), 'process group', 'process groups')} with waits"]
-    lines = [f"{_count(len(flagged), 'process group', 'process groups')} with a straggler (ranks by lag: the PG's "
-             "median wait inside collectives minus the rank's own, last arriver first):"]
+        pgs = _count(len(by_pg), "process group", "process groups")
+        return [f"no cross-node straggler in {pgs} with waits or arrivals"]
+    lines = [f"{_count(len(flagged), 'process group', 'process groups')} with a straggler (ranks by lag, last "
+             "arriver first; by wait: the PG's median wait inside collectives minus the rank's own; by arrival: "
+             "the rank's call time minus the PG's median):"]
     for group in flagged:
         first = group[0]
         names = [str(row.rank) for row in group if row.straggler]
-        lines.append(f"straggler: job {first.job_id}, PG {first.pg} ({first.pg_desc}), rank(s) {','.join(names)}")
+        lines.append(f"straggler: job {first.job_id}, PG {first.pg} ({first.pg_desc}), rank(s) {','.join(names)} "
+                     f"(by {first.signal})")
         ranked = ", ".join(f"rank {row.rank} {row.lag * 1000:+.1f} ms{' *' if row.straggler else ''}"
                            for row in group[:_RANKED])
         lines.append(f"  {ranked}")

@@ -357,7 +357,7 @@ class WaitTracker:
 
     Each value is a difference of two readings of one node's clock (or a GPU duration), so the figures of
     ranks on different nodes compare in Prometheus with no cross-node clock error: the rank that arrives last
-    waits least, its peers wait for it (docs/durations.md, "Waits across nodes"). The score is a mean with the
+    waits least, its peers wait for it (docs/durations.md, "Stragglers across nodes"). The score is a mean with the
     smallest and the largest tenth left out, so one late collective (a checkpoint) or one clock jump moves it
     by nothing; fewer than ``min_samples`` collectives give no score.
     """

@@ -22,6 +22,8 @@ from .panels import (
 )
 from .promql import (
     PG,
+    R_ARRIVAL_LAG,
+    R_ARRIVAL_LOSS,
     R_BUDGET_USED,
     R_ENQUEUED_SKEW,
     R_PG_RANKS,
@@ -270,26 +272,44 @@ def _stragglers(b: Board) -> None:
         timeseries(unit="s", links=[series_link_rank()]),
         "Wait inside collectives per rank",
         "Each rank's mean wait inside this group's recent collectives, on its own node's clock (serve "
-        "--collective-waits; NCCL only, gloo records no completion). Collectives end together, so the rank that "
-        "arrives last waits least: a line well below the others is a straggler its peers wait for.",
+        "--collective-waits; NCCL only, gloo records no completion: see Arrival lag per rank). Collectives end "
+        "together, so the rank that arrives last waits least: a line well below the others is a straggler its peers "
+        "wait for.",
         _per_rank(sel(n.RANK_COLLECTIVE_WAIT_SECONDS, *PG)),
         legend=RANK_LEGEND,
-        width=12,
+        width=8,
         height=8,
     )
+    # The arrivals themselves are unix times, a line per rank a few milliseconds apart on a scale of decades: only
+    # their lag against the group's median shows anything.
+    b.series(
+        timeseries(unit="s", min_val=None, links=[series_link_rank()]),
+        "Arrival lag per rank",
+        "Each rank's arrival at this group's collectives minus the group's median, on the nodes' own clocks (serve "
+        "--collective-waits; gloo, whose Flight Recorder records no completion). An arrival is the rank's mean call "
+        "time over the block of 4 collectives every node picks for the same 5 s instant: a line well above the "
+        "others is a straggler its peers wait for, exact up to the nodes' clock offset. A rank more than half a "
+        "block from the median reports a neighbouring block and has no line then.",
+        _per_rank(sel(R_ARRIVAL_LAG, *PG)),
+        legend=RANK_LEGEND,
+        width=8,
+        height=8,
+    )
+    # A group has one signal or the other (NCCL waits, gloo arrivals), so either rule's lag fills the same column.
     b.panel(
-        table(links=(n.L_RANK,), units={"lag": "s", "loss": "percentunit"}, sort_by="lag",
-              no_value="No waits (gloo, or --collective-waits off)"),
+        table(merge=True, links=(n.L_RANK,), units={"lag": "s", "loss": "percentunit"}, sort_by="lag",
+              no_value="No waits (NCCL) or arrivals (gloo): --collective-waits is off"),
         "Straggler ranking",
-        "Ranks by lag, last arriver first: the group's median wait minus the rank's own, about how long each "
-        "collective waits for it, and the share of the peers' time that costs (loss). FrexporterStraggler names a "
-        "rank whose lag stays over 4 median absolute deviations, 5 ms and 5 % for 5 minutes; frexporter analyze "
-        "--prometheus ranks the same way.",
+        "Ranks by lag, last arriver first: about how long each collective waits for the rank, from its waits on "
+        "NCCL (the group's median wait minus the rank's own) or its arrivals on gloo (its arrival minus the group's "
+        "median), and the share of the peers' time that costs (loss). FrexporterStraggler names a rank whose lag "
+        "stays over 4 median absolute deviations, 5 ms and 5 % for 15 s; frexporter analyze --prometheus ranks the "
+        "same way.",
         [
-            Target(_per_rank(sel(R_WAIT_LAG, *PG)), instant=True, column="lag"),
-            Target(_per_rank(sel(R_WAIT_LOSS, *PG)), instant=True, column="loss"),
+            Target(_per_rank(f"{sel(R_WAIT_LAG, *PG)} or {sel(R_ARRIVAL_LAG, *PG)}"), instant=True, column="lag"),
+            Target(_per_rank(f"{sel(R_WAIT_LOSS, *PG)} or {sel(R_ARRIVAL_LOSS, *PG)}"), instant=True, column="loss"),
         ],
-        width=12,
+        width=8,
         height=8,
         table=True,
     )

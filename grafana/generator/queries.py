@@ -16,6 +16,9 @@ from frexporter import naming as n
 from .constants import SAMPLE_VARIABLES
 from .promql import (
     ALERTS,
+    R_ARRIVAL_LAG,
+    R_ARRIVAL_LOSS,
+    R_ARRIVAL_MEDIAN,
     R_BUDGET_USED,
     R_OLDEST_INFLIGHT_AGE,
     R_PG_RANKS_INFLIGHT,
@@ -43,7 +46,8 @@ class Needs:
     COLLECTIVE_METRICS = "collective_metrics"  # duration histogram and byte counters are exported
     RECORDER_ERRORS = "recorder_errors"  # a rank's recorder met an error
     SCRAPE_JOB = "frexporter_scrape_job"  # the Prometheus scrape job name contains "frexporter"
-    COLLECTIVE_WAITS = "collective_waits"  # serve --collective-waits on an NCCL PG of 3+ ranks (a gloo job has none)
+    # serve --collective-waits on a PG of 3+ ranks: waits on NCCL, arrivals on gloo
+    COLLECTIVE_WAITS = "collective_waits"
 
     ALL = frozenset(
         {RULES, INFLIGHT, VERDICT, ALERT, GPU, XID, NCCL_TIMING, COLLECTIVE_METRICS, RECORDER_ERRORS, SCRAPE_JOB,
@@ -70,6 +74,10 @@ _NEEDS_BY_METRIC: dict[str, frozenset[str]] = {
     R_WAIT_MEDIAN: frozenset({Needs.RULES, Needs.COLLECTIVE_WAITS}),
     R_WAIT_LAG: frozenset({Needs.RULES, Needs.COLLECTIVE_WAITS}),
     R_WAIT_LOSS: frozenset({Needs.RULES, Needs.COLLECTIVE_WAITS}),
+    n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS: frozenset({Needs.COLLECTIVE_WAITS}),
+    R_ARRIVAL_MEDIAN: frozenset({Needs.RULES, Needs.COLLECTIVE_WAITS}),
+    R_ARRIVAL_LAG: frozenset({Needs.RULES, Needs.COLLECTIVE_WAITS}),
+    R_ARRIVAL_LOSS: frozenset({Needs.RULES, Needs.COLLECTIVE_WAITS}),
 }
 
 

@@ -133,6 +133,7 @@ EXCLUDED = sorted([
     ("frexporter-job", "GPUs throttled by reason"),  # gpu
     ("frexporter-pg", "Collective bytes by op"),  # collective_metrics
     ("frexporter-pg", "Collective duration by op"),  # collective_metrics: p50
+    ("frexporter-pg", "Arrival lag per rank"),  # collective_waits (gloo's arrivals)
     ("frexporter-pg", "Collective duration by op"),  # collective_metrics: p99
     ("frexporter-pg", "Last started collective per rank (NCCL)"),  # nccl_timing
     ("frexporter-pg", "Straggler ranking"),  # collective_waits: lag
@@ -150,7 +151,10 @@ EXCLUDED = sorted([
     ("frexporter-rank", "GPU utilization"),
     ("frexporter-rank", "Recorder errors"),  # recorder_errors: a healthy recorder has none
 ])
-MAX_EXCLUDED_FRACTION = 0.25
+# 21 of 82 queries: the cross-node straggler row (waits, arrivals, ranking) needs --collective-waits and a PG
+# of 3+ ranks running steadily, which this desync does not offer: tests/e2e/test_straggler_live.py checks the
+# series under it, benchmarks/straggler.py the whole row's chain.
+MAX_EXCLUDED_FRACTION = 0.26
 
 
 def _returns_data(promstack: PromStack, promql: str) -> bool:

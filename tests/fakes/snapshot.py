@@ -29,12 +29,14 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "metrics.txt"
 
 def pg(name: str, desc: str, enq: int, done: int, inflight: tuple[InflightCollective, ...] = (),
        progress: float | None = 1700000000.0, lateness: float | None = None,
-       wait: float | None = None) -> PGState:
+       wait: float | None = None, arrival: tuple[float, float] | None = None) -> PGState:
     return PGState(name=name, desc=desc, ranks=(0, 1), backend="cpu:gloo", last_enqueued=enq, last_started=-1,
                    last_completed=done, inflight=inflight, inflight_count=enq - done, timeout_seconds=1800.0,
                    last_progress=progress, exact=True, has_p2p=False, lateness_seconds=lateness,
                    lateness_samples=0 if lateness is None else 200,
                    wait_seconds=wait, wait_samples=0 if wait is None else 200,
+                   arrival_timestamp=None if arrival is None else arrival[0],
+                   arrival_stamp=None if arrival is None else arrival[1],
                    stuck_threshold_seconds=10.0 if name == "0" else None,
                    stuck_ceiling_seconds=60.0 if name == "0" else None)
 
@@ -53,7 +55,9 @@ def fixed_snapshot() -> NodeSnapshot:
         RankState(job_id="llm", rank=1, local_rank=1, world_size=2, hostname="node-a", pid=102,
                   torch_version="2.13.0+cpu", gpu_uuid="GPU-bbbb", status=RANK_UNRESPONSIVE,
                   heartbeat=1700000150.0, heartbeat_age=50.2, socket_alive=True,
-                  pgs=(pg("0", "default_pg", 7, 7, progress=None), pg("1", "tp", 3, 3, lateness=1.25))),
+                  pgs=(pg("0", "default_pg", 7, 7, progress=None,
+                          arrival=(1700000175.125, 1700000181.0)),  # stamped with its grid instant's time
+                       pg("1", "tp", 3, 3, lateness=1.25))),
     )
     # Per node (no rank label): an NCCL-timed all_reduce with durations, a gloo broadcast with bytes only.
     collectives = (

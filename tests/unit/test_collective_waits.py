@@ -204,9 +204,10 @@ def test_ranking_puts_pgs_with_a_straggler_first() -> None:
 def test_ranking_and_rule_use_the_same_numbers() -> None:
     alert = next(a for a in shipped_alerts() if a["alert"] == "FrexporterStraggler")
     expr = " ".join(alert["expr"].split())
-    assert f"{WAIT_MAD_FACTOR:g} * job_id_pg:{n.RANK_COLLECTIVE_WAIT_SECONDS}:mad" in expr
-    assert f"job_id_pg_rank:{n.RANK_COLLECTIVE_WAIT_SECONDS}:lag > {WAIT_MIN_LAG:g}" in expr
-    assert f"count by (job_id, pg, pg_desc) ({n.RANK_COLLECTIVE_WAIT_SECONDS}) >= {WAIT_MIN_RANKS}" in expr
+    for signal in (n.RANK_COLLECTIVE_WAIT_SECONDS, n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS):
+        assert f"{WAIT_MAD_FACTOR:g} * job_id_pg:{signal}:mad" in expr
+        assert f"job_id_pg_rank:{signal}:lag > {WAIT_MIN_LAG:g}" in expr
+        assert f"count by (job_id, pg, pg_desc) (job_id_pg_rank:{signal}:lag) >= {WAIT_MIN_RANKS}" in expr
 
 
 def test_prometheus_view_reads_waits_and_the_report_ranks_them() -> None:

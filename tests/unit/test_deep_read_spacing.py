@@ -5,10 +5,16 @@ Its e2e tests (a process started, or longer than about 1 s) are in tests/e2e/tes
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 from frexporter import defaults
+from frexporter.sources.arrivals import ARRIVAL_GRID, read_point
 from frexporter.sources.ranks import RanksConfig, routine_deep_interval
+from tests.fakes.node import Node, raw
 
 
 def test_the_interval_is_the_configured_one_until_reads_are_slow() -> None:
@@ -20,3 +26,32 @@ def test_the_interval_is_the_configured_one_until_reads_are_slow() -> None:
     assert routine_deep_interval(0.5, RanksConfig("", deep_interval=0.0)) == 0.0  # "whenever values move"
     assert routine_deep_interval(0.5, RanksConfig("", deep_read_share=0.0)) == RanksConfig.deep_interval
     assert RanksConfig.deep_read_share == defaults.DEEP_READ_SHARE
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_with_collective_waits_every_rank_is_read_after_each_grid_instant(
+        node_factory: Callable[..., Node], waits: bool) -> None:
+    # The gloo arrivals need every node to have read each grid instant's block before reporting it
+    # (sources/arrivals.py): with --collective-waits a routine read also comes at each read point, where the
+    # interval alone (every 15 s from the first read) reads at whatever phase the rank was first seen.
+    node = node_factory(1, deep_interval=15.0, collective_waits=waits)
+    reads: list[float] = []
+    dump = node.dump
+
+    def counted(r: int) -> dict[str, Any]:
+        reads.append(node.now)
+        return dump(r)
+
+    node.dump = counted  # type: ignore[method-assign]
+    # First seen 8 s after a grid instant (poll() adds a second first), well away from the read points.
+    node.now = math.floor(node.now / ARRIVAL_GRID) * ARRIVAL_GRID + 7.0
+    for seq in range(1, 47):  # 46 polls, a second apart, the ring moving each time
+        node.rings[0].append(raw(seq - 1, seq))
+        node.poll()
+    routine = reads[1:]  # the first read is the rank's first sight
+    after_point = [t - read_point(t) for t in routine]
+    if not waits:
+        assert len(routine) == 3 and all(late > 3.0 for late in after_point)  # every 15 s, at the first's phase
+        return
+    assert len({read_point(t) for t in routine}) == len(routine)  # at most one read per grid period ...
+    assert len(routine) == 3 and all(0 <= late < 1.5 for late in after_point)  # ... right after its read point

@@ -145,7 +145,10 @@ def _registry(snapshot: Any) -> CollectorRegistry:
 
 
 def _series(families: Any) -> list[tuple[str, tuple[tuple[str, str], ...], str, Any]]:
-    return sorted((s.name, tuple(sorted(s.labels.items())), floatToGoString(s.value), s.timestamp)
+    # Timestamps as seconds: the OpenMetrics parser gives a Timestamp, the text one a float (the gloo arrivals
+    # are stamped: sources/arrivals.py).
+    return sorted((s.name, tuple(sorted(s.labels.items())), floatToGoString(s.value),
+                   None if s.timestamp is None else float(s.timestamp))
                   for family in families for s in family.samples)
 
 

@@ -55,6 +55,7 @@ EXPECTED_NAMES = {
     n.RANK_STRAGGLER_LATENESS_SECONDS: ("frexporter.rank.straggler_lateness", "s", "gauge"),
     n.RANK_STRAGGLER_SCORE_DEPRECATED: ("frexporter.rank.straggler_score", "", "gauge"),
     n.RANK_COLLECTIVE_WAIT_SECONDS: ("frexporter.rank.collective_wait", "s", "gauge"),
+    n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS: ("frexporter.rank.collective_arrival_timestamp", "s", "gauge"),
     n.VERDICT: ("frexporter.verdict", "", "gauge"),
     n.GPU_INFO: ("frexporter.gpu.info", "", "gauge"),
     n.GPU_LOST: ("frexporter.gpu.lost", "", "gauge"),

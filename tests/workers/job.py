@@ -255,6 +255,46 @@ elif scenario == "soak":
         step += 1
         if step == 1:
             ready()
+elif scenario == "dp_straggler":
+    # benchmarks/straggler.py: a data-parallel job over two nodes. Every step each rank computes
+    # JOB_STEP_SECONDS (plus a random share of it up to JOB_JITTER), all_reduces on WORLD and hands a tensor to
+    # its peer on the other node (p2p: rank r sends to r + world/2). Once the control file "slow" exists,
+    # rank JOB_VICTIM computes JOB_SLOW_FRACTION of a step longer (its marker "slow" says when it began);
+    # every JOB_PAUSE_EVERY steps (0: never) rank JOB_PAUSE_RANK pauses JOB_PAUSE_SECONDS (an evaluation).
+    import random
+    import threading
+
+    threading.Thread(target=lambda: (idle(), os._exit(0)), daemon=True).start()
+    rng = random.Random(rank)
+    step_seconds = float(os.environ.get("JOB_STEP_SECONDS", "0.5"))
+    jitter = float(os.environ.get("JOB_JITTER", "0"))
+    slow_fraction = float(os.environ.get("JOB_SLOW_FRACTION", "0.3"))
+    pause_every = int(os.environ.get("JOB_PAUSE_EVERY", "0"))
+    pause_seconds = float(os.environ.get("JOB_PAUSE_SECONDS", "5"))
+    pause_rank = int(os.environ.get("JOB_PAUSE_RANK", "2"))
+    half = world // 2
+    slow_file = os.path.join(control, "slow")
+    step, slowed = 0, False
+    while True:
+        compute = step_seconds * (1.0 + rng.uniform(0.0, jitter))
+        if rank == victim and (slowed or os.path.exists(slow_file)):
+            if not slowed:
+                ready("slow")
+                slowed = True
+            compute += slow_fraction * step_seconds
+        if pause_every and rank == pause_rank and step % pause_every == pause_every - 1:
+            compute += pause_seconds
+        time.sleep(compute)
+        reduce_world()
+        # After the all_reduce, which every rank leaves together: a p2p before it would make the straggler's
+        # sender late too (gloo's send waits for the receiver).
+        if rank < half:
+            dist.send(t, dst=rank + half)
+        else:
+            dist.recv(t, src=rank - half)
+        step += 1
+        if step == 1:
+            ready()
 elif scenario == "steady":
     # A steady job for detection latency: every JOB_STEP_SECONDS an all_reduce on WORLD, then one on the
     # pair {0,1} (ranks 0 and 1). Faults, from control files: "idle": rank JOB_VICTIM stops calling

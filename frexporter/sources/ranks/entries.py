@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from frexporter import spool
 from frexporter.fr import trace
 from frexporter.model import CollectiveStats
+from frexporter.sources.arrivals import ArrivalTracker
 from frexporter.sources.collectives import CollectiveAccumulator, EntryCursor, GroupKey, LatenessTracker, WaitTracker
 from frexporter.sources.ranks.track import RankTrack
 
@@ -16,7 +17,10 @@ class EntryFeed:
         self._ranks = ranks  # every tracked rank: a group's local members
         self._collectives = CollectiveAccumulator(per_rank=per_rank)
         self._lateness = LatenessTracker(window=window)
-        self._waits = WaitTracker(window=window) if waits else None  # --collective-waits
+        # --collective-waits: the cross-node straggler signals, a rank's waits where FR records completion
+        # (NCCL), its arrivals where it does not (gloo).
+        self._waits = WaitTracker(window=window) if waits else None
+        self._arrivals = ArrivalTracker() if waits else None
 
     def absorb(self, track: RankTrack, recorder: str, dump: trace.FrDump) -> int:
         """Feed entries not seen before to the duration/bytes counters and the lateness tracker, once each; the
@@ -40,6 +44,8 @@ class EntryFeed:
             key = keys.get((recorder, name))
             if key is not None:
                 self._lateness.observe(key, self._local_members(key), m.rank, entries)
+                if self._arrivals is not None and recorder != spool.RECORDER_NCCL:
+                    self._arrivals.observe(key, m.rank, m.pid, entries)
         return missed
 
     @staticmethod
@@ -76,6 +82,14 @@ class EntryFeed:
         wait, samples = self._waits.score(key, track.manifest.rank)
         return None if wait is None else (wait, samples)
 
+    def arrival(self, track: RankTrack, recorder: str, pg_name: str, now: float) -> tuple[float, float] | None:
+        """(unix seconds: the rank's mean call time over the PG's block due at ``now``, the sample's stamp):
+        sources/arrivals.py."""
+        if self._arrivals is None:
+            return None
+        key = group_keys(track).get((recorder, pg_name))
+        return None if key is None else self._arrivals.arrival(key, track.manifest.rank, now)
+
     def retain(self, tracks: Iterable[RankTrack]) -> None:
         """Forget the jobs and groups no tracked rank belongs to any more."""
         tracks = list(tracks)
@@ -84,6 +98,8 @@ class EntryFeed:
         self._lateness.forget(live)
         if self._waits is not None:
             self._waits.forget(live)
+        if self._arrivals is not None:
+            self._arrivals.forget(live)
 
     def snapshot(self) -> tuple[CollectiveStats, ...]:
         """Completed collectives so far (durations, bytes)."""

@@ -21,7 +21,7 @@ from frexporter.errors import FrexporterError
 from frexporter.fr import trace
 from frexporter.fr.domain import translate
 from frexporter.model import RANK_UNRESPONSIVE, STATE_EXITING
-from frexporter.sources import pyspy, worker_handlers
+from frexporter.sources import arrivals, pyspy, worker_handlers
 from frexporter.sources.base import SourceError
 from frexporter.sources.ranks import liveness
 from frexporter.sources.ranks.config import RanksConfig
@@ -92,9 +92,10 @@ class SocketScheduler:
 
     # ------------------------------------------------------------------ asking
 
-    def schedule(self, tracks: Iterable[RankTrack], mono: float, usable: Callable[[RankTrack, str], bool]) -> None:
+    def schedule(self, tracks: Iterable[RankTrack], mono: float, usable: Callable[[RankTrack, str], bool],
+                 now: float | None = None) -> None:
         """Submit the pings, deep reads and py-spy fetches this poll wants; ``usable(track, socket name)``: whether
-        the spool lets that socket be connected to."""
+        the spool lets that socket be connected to; ``now``: the wall clock, which times the arrivals' reads."""
         tracks = list(tracks)
         stacks_in_flight = sum(1 for t in tracks if t.stack_pending is not None)
         for track in tracks:
@@ -105,7 +106,7 @@ class SocketScheduler:
                 continue
             stale = self.stale(track, mono)
             ping = stale and track.ping_pending is None and track.deep_pending is None
-            deep = track.deep_pending is None and self._wants_deep_read(track, mono, stale)
+            deep = track.deep_pending is None and self._wants_deep_read(track, mono, stale, now)
             stack = stale and stacks_in_flight < pyspy.MAX_CONCURRENT and self._wants_stack(track, mono)
             if not (ping or deep or stack) or not usable(track, name):
                 continue
@@ -129,7 +130,23 @@ class SocketScheduler:
                 and track.stack_pending is None and pyspy.HANDLER in track.manifest.handlers
                 and (track.stack_asked is None or mono - track.stack_asked >= pyspy.REFRESH_INTERVAL))
 
-    def _wants_deep_read(self, track: RankTrack, mono: float, stale: bool) -> bool:
+    def _routine_due(self, track: RankTrack, mono: float, now: float | None) -> bool:
+        """Whether a routine read (values moved) is due: every ``routine_deep_interval``; with --collective-waits
+        also at each arrival read point, so that every node has read each grid instant's block of collectives
+        when it is reported (sources/arrivals.py). At the default 15 s interval that is no extra read, only
+        the same reads at the same moments on every node, unless reads are slow: then up to ARRIVAL_READ_SHARE of
+        the rank's time instead of deep_read_share."""
+        interval = routine_deep_interval(track.deep_seconds, self.config)
+        if mono - (track.deep_mono or 0.0) >= interval:
+            return True
+        # The arrivals' reads may take up to ARRIVAL_READ_SHARE of the rank's time (a read of 120 ms every 15 s
+        # at the defaults: a slow node's full ring) before they too are spaced by the read's cost.
+        affordable = (self.config.deep_read_share <= 0 or track.deep_seconds is None
+                      or track.deep_seconds <= arrivals.ARRIVAL_GRID * arrivals.ARRIVAL_READ_SHARE)
+        return (self.config.collective_waits and now is not None and affordable
+                and track.deep_time is not None and track.deep_time < arrivals.read_point(now))
+
+    def _wants_deep_read(self, track: RankTrack, mono: float, stale: bool, now: float | None = None) -> bool:
         if not track.manifest.recorders:
             return False
         if track.deep_mono is not None and mono - track.deep_mono < self.config.poll_interval * 0.9:
@@ -141,7 +158,7 @@ class SocketScheduler:
             return False
         if track.deep_mono is None:
             return True
-        routine_due = mono - track.deep_mono >= routine_deep_interval(track.deep_seconds, self.config)
+        routine_due = self._routine_due(track, mono, now)
         for recorder, statuses in raw.items():
             known = track.learned_ids.get(recorder, {})
             at_deep = track.deep_raw.get(recorder, {})

@@ -75,7 +75,8 @@ class RanksSource:
             entries = self._spool.read(dfd, self._ranks)
             self._sockets.forget(self._ranks)
             self._sockets.schedule(self._ranks.values(), mono,
-                                   lambda track, name: self._spool.socket_usable(track, name, entries.get(name)))
+                                   lambda track, name: self._spool.socket_usable(track, name, entries.get(name)),
+                                   now=now)
             self._spool.permissions.settle()
             self._check_space(dfd)
         self._sockets.settle(self._ranks.values(), self._clock, self._monotonic)
@@ -189,5 +190,8 @@ class RanksSource:
                 wait = self._feed.wait(track, recorder, name)
                 if wait is not None:
                     state = replace(state, wait_seconds=wait[0], wait_samples=wait[1])
+                arrival = self._feed.arrival(track, recorder, name, now)
+                if arrival is not None:
+                    state = replace(state, arrival_timestamp=arrival[0], arrival_stamp=arrival[1])
             out.append(state)
         return tuple(out)
