@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a development environment on a fresh Debian machine: a virtualenv with frexporter and the
 # exporter's dependencies, torch (CPU build) for the recorder and the demo, and with --test the test
-# dependencies and the external tools the tests drive for real (Prometheus, promtool, Alertmanager, helm, and
-# podman with mmdebstrap to build the image).
+# dependencies and the external tools the tests drive for real (Prometheus, promtool, Alertmanager, VictoriaMetrics'
+# victoria-metrics, vmagent and vmalert, helm, and podman with mmdebstrap to build the image).
 # --lowest (after --test) builds .venv-lowest: every dependency pyproject.toml names, at the lowest version
 # it allows, for the unit tests to run against. Safe to run again.
 set -euo pipefail
@@ -52,13 +52,16 @@ fi
 
 if [ "$mode" = --test ]; then
   # podman and mmdebstrap: tests/e2e/test_image.py builds the Dockerfile (scripts/build_image.sh).
+  # victoria-metrics (victoria-metrics, vmagent, vmalert): tests/e2e/test_vmalert.py runs the rules on vmalert.
   if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
-      || ! command -v chromium >/dev/null || ! command -v podman >/dev/null || ! command -v mmdebstrap >/dev/null; then
-    log "installing prometheus, prometheus-alertmanager, chromium, podman and mmdebstrap (Debian packages)"
+      || ! command -v chromium >/dev/null || ! command -v podman >/dev/null || ! command -v mmdebstrap >/dev/null \
+      || ! command -v victoria-metrics >/dev/null || ! command -v vmagent >/dev/null \
+      || ! command -v vmalert >/dev/null; then
+    log "installing prometheus, prometheus-alertmanager, chromium, podman, mmdebstrap, victoria-metrics (Debian)"
     SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-      prometheus prometheus-alertmanager chromium podman mmdebstrap >/dev/null
+      prometheus prometheus-alertmanager chromium podman mmdebstrap victoria-metrics >/dev/null
   fi
   tools="${FREXPORTER_TOOLS_DIR:-$HOME/.cache/frexporter-tools}"
   if [ ! -x "$tools/node_modules/.bin/helm" ]; then

@@ -13,7 +13,7 @@ from frexporter import spool
 from frexporter.app import App, ServeConfig, build_app
 from tests import spoolgen
 from tests.fakes.node import Node
-from tests.harness import REQUIRE_TOOLS_ENV, Job, tools_required
+from tests.harness import EXPORTER_OPTIONS, REQUIRE_TOOLS_ENV, Job, tools_required
 from tests.shared.wedged_stacks import Rig
 
 if TYPE_CHECKING:  # the otlp extra is optional: tests/*/test_otlp.py skip without it
@@ -98,9 +98,9 @@ def exporter_factory() -> Iterator:
     apps: list[App] = []
 
     def make(directory: Path, **kw: object) -> RunningExporter:
-        options = {"port": 0, "poll_interval": 0.2, "rank_timeout": 1.0, "sources": ("ranks",), "deep_interval": 1.0}
+        options = dict(EXPORTER_OPTIONS)
         options.update(kw)
-        app = build_app(ServeConfig(directory=str(directory), host="127.0.0.1", **options))  # type: ignore[arg-type]
+        app = build_app(ServeConfig(directory=str(directory), host="127.0.0.1", **options))
         app.start()
         apps.append(app)
         return RunningExporter(app)

@@ -26,6 +26,10 @@ T = TypeVar("T")
 
 
 REQUIRE_TOOLS_ENV = "FREXPORTER_REQUIRE_TOOLS"
+# `frexporter serve` as the end-to-end tests run it in process (tests/conftest.py's exporter_factory): polls and deep
+# reads fast enough for the rules scaled by tests.promstack.SCALE, the ranks source only.
+EXPORTER_OPTIONS: dict[str, Any] = {"port": 0, "poll_interval": 0.2, "rank_timeout": 1.0, "sources": ("ranks",),
+                                    "deep_interval": 1.0}
 
 
 def tools_required() -> bool:

@@ -15,6 +15,7 @@ fixture. Missing binaries skip the tests, unless FREXPORTER_REQUIRE_TOOLS=1. Out
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -125,7 +126,7 @@ class WebhookReceiver:
         return out
 
 
-def _get_json(url: str) -> Any:
+def get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
         return json.loads(resp.read())
 
@@ -141,7 +142,7 @@ def _ready(url: str) -> bool:
 _RFC3339 = re.compile(r"(.+T\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)")
 
 
-def _parse_rfc3339(text: str) -> float:
+def parse_rfc3339(text: str) -> float:
     # Go prints up to nanoseconds and "Z", neither of which Python 3.10's fromisoformat takes.
     match = _RFC3339.fullmatch(text)
     if match is None:
@@ -153,6 +154,42 @@ def _parse_rfc3339(text: str) -> float:
 
 class QueryError(Exception):
     """Prometheus refused a query (bad PromQL, a matching error): a bug in the query, not a wait."""
+
+
+class Daemons:
+    """A stack's child processes, each logging to ``workdir/NAME.log``; stopped together (also tests/vmstack.py)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def spawn(self, name: str, args: list[str]) -> None:
+        with open(self.workdir / f"{name}.log", "wb") as log:
+            self._procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)))
+
+    def alive(self, name: str) -> bool:
+        """True while ``name`` runs; RuntimeError with its log once it has exited."""
+        for proc_name, proc in self._procs:
+            if proc_name == name and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited {proc.returncode}:\n{self.log(name)}")
+        return True
+
+    def log(self, name: str) -> str:
+        try:
+            return (self.workdir / f"{name}.log").read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        for _, proc in self._procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _, proc in self._procs:
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 class PromStack:
@@ -171,7 +208,7 @@ class PromStack:
         self.webhook = WebhookReceiver()  # every notification, or with hold_busy those that page
         self.hold = WebhookReceiver("/hold") if hold_busy else None
         self._bins = (prometheus, alertmanager)
-        self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._daemons = Daemons(workdir)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -204,48 +241,30 @@ class PromStack:
                                 "static_configs": [{"targets": [f"127.0.0.1:{port}"
                                                                 for port in self.exporter_ports]}]}],
         }), encoding="utf-8")
-        self._spawn("alertmanager", [
+        self._daemons.spawn("alertmanager", [
             alertmanager, f"--config.file={am_config}", f"--storage.path={self.workdir / 'am-data'}",
             f"--web.listen-address={self.am_url.split('//')[1]}",
             # Empty disables HA gossip, which would otherwise bind 0.0.0.0:9094.
             "--cluster.listen-address=", "--log.level=info",
         ])
-        self._spawn("prometheus", [
+        self._daemons.spawn("prometheus", [
             prometheus, f"--config.file={prom_config}", f"--storage.tsdb.path={self.workdir / 'prom-data'}",
             f"--web.listen-address={self.prom_url.split('//')[1]}", "--storage.tsdb.retention.time=1h",
             "--log.level=info",
         ])
         for name, url in (("alertmanager", self.am_url), ("prometheus", self.prom_url)):
-            wait_for(lambda url=url, name=name: self._alive(name) and _ready(url), timeout=START_TIMEOUT_S,
-                     interval=0.05, what=f"{name} ready")
+            wait_for(functools.partial(self._started, name, url), timeout=START_TIMEOUT_S, interval=0.05,
+                     what=f"{name} ready")
         return self
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        with open(self.workdir / f"{name}.log", "wb") as log:
-            self._procs.append((name, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)))
-
-    def _alive(self, name: str) -> bool:
-        for proc_name, proc in self._procs:
-            if proc_name == name and proc.poll() is not None:
-                raise RuntimeError(f"{name} exited {proc.returncode}:\n{self.log(name)}")
-        return True
+    def _started(self, name: str, url: str) -> bool:
+        return self._daemons.alive(name) and _ready(url)
 
     def log(self, name: str) -> str:
-        try:
-            return (self.workdir / f"{name}.log").read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
+        return self._daemons.log(name)
 
     def stop(self) -> None:
-        for _, proc in self._procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for _, proc in self._procs:
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self._daemons.stop()
         self.webhook.stop()
         if self.hold is not None:
             self.hold.stop()
@@ -256,7 +275,7 @@ class PromStack:
         """The result vector of an instant query."""
         url = f"{self.prom_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
         try:
-            body = _get_json(url)
+            body = get_json(url)
         except urllib.error.HTTPError as e:
             # Prometheus says why in the body. Not an AssertionError: wait_for must not retry a bad query.
             raise QueryError(f"query {promql!r}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
@@ -266,23 +285,28 @@ class PromStack:
 
     def alerts(self, **labels: str) -> list[dict[str, Any]]:
         """Prometheus' pending and firing alerts whose labels include ``labels``."""
-        found: list[dict[str, Any]] = _get_json(f"{self.prom_url}/api/v1/alerts")["data"]["alerts"]
+        found: list[dict[str, Any]] = get_json(f"{self.prom_url}/api/v1/alerts")["data"]["alerts"]
         return [a for a in found if all(a["labels"].get(k) == v for k, v in labels.items())]
 
     def wait_target_up(self, since: float, timeout: float = 20.0, port: int | None = None) -> None:
         """Until Prometheus has scraped the exporter port (the first unless ``port``) successfully after unix
         time ``since`` (the first scrape after the stack starts takes about 5 s: target discovery is batched)."""
-        port = self.exporter_port if port is None else port
+        wait_scraped(self.prom_url, self.exporter_port if port is None else port, since, timeout)
 
-        def up() -> bool:
-            for target in _get_json(f"{self.prom_url}/api/v1/targets")["data"]["activeTargets"]:
-                if target["scrapeUrl"].startswith(f"http://127.0.0.1:{port}/") and (
-                    target["health"] == "up" and _parse_rfc3339(target["lastScrape"]) > since
-                ):
-                    return True
-            return False
 
-        wait_for(up, timeout=timeout, interval=0.1, what=f"target 127.0.0.1:{port} up")
+def wait_scraped(url: str, port: int, since: float, timeout: float) -> None:
+    """Until the scraper at ``url`` (Prometheus, vmagent: the same targets API) has scraped 127.0.0.1:``port``
+    successfully after unix time ``since``."""
+
+    def up() -> bool:
+        for target in get_json(f"{url}/api/v1/targets")["data"]["activeTargets"]:
+            if target["scrapeUrl"].startswith(f"http://127.0.0.1:{port}/") and (
+                target["health"] == "up" and parse_rfc3339(target["lastScrape"]) > since
+            ):
+                return True
+        return False
+
+    wait_for(up, timeout=timeout, interval=0.1, what=f"{url}: target 127.0.0.1:{port} up")
 
 
 class MissingTool(RuntimeError):

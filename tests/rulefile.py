@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-__all__ = ["RULES_PATH", "SCALE_MARKER", "load_rules", "parse_duration", "render_rules"]
+__all__ = ["RULES_PATH", "SCALE_MARKER", "alert_for", "desync_timing", "find_rule", "load_rules", "parse_duration",
+           "render_rules"]
 
 RULES_PATH = Path(__file__).resolve().parent.parent / "frexporter" / "rules" / "frexporter.rules.yml"
 SCALE_MARKER = "@scale"
@@ -100,3 +101,29 @@ _BlockDumper.add_representer(str, _represent_str)
 def render_rules(scale: float = 1.0) -> str:
     """``load_rules(scale)`` as a Prometheus rule file."""
     return yaml.dump(load_rules(scale), Dumper=_BlockDumper, sort_keys=False, width=1000)
+
+
+def find_rule(name: str, scale: float = 1.0) -> dict[str, Any]:
+    """The alerting or recording rule named ``name`` in ``load_rules(scale)``."""
+    for group in load_rules(scale)["groups"]:
+        for rule in group["rules"]:
+            if name in (rule.get("alert"), rule.get("record")):
+                return dict(rule)
+    raise KeyError(f"no rule {name!r} in {RULES_PATH}")
+
+
+def alert_for(alert: str, scale: float = 1.0) -> float:
+    """Seconds of the alert's ``for:`` at ``scale`` (0 without one)."""
+    return parse_duration(find_rule(alert, scale).get("for", "0s"))
+
+
+_FALLBACK_THRESHOLD = re.compile(r">= ([\d.]+)\s+# " + re.escape(SCALE_MARKER))
+
+
+def desync_timing(scale: float = 1.0) -> tuple[float, float]:
+    """FrexporterCollectiveDesync's fallback threshold (seconds, in the culprits record it reads) and its "for"."""
+    culprits = find_rule("job_id_pg_rank:frexporter_pg_last_enqueued_seq:desync_culprits", scale)
+    threshold = _FALLBACK_THRESHOLD.search(culprits["expr"])
+    if threshold is None:
+        raise ValueError(f"no @scale threshold in the desync culprits record: {culprits['expr']}")
+    return float(threshold[1]), alert_for("FrexporterCollectiveDesync", scale)

@@ -7,7 +7,6 @@ tests.promstack.SCALE.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,28 +15,17 @@ import pytest
 
 from tests.harness import Job, hold, wait_for
 from tests.promstack import INTERVAL_S, SCALE, Notification, PromStack
-from tests.rulefile import load_rules, parse_duration
+from tests.rulefile import alert_for, desync_timing
 
 DESYNC = "FrexporterCollectiveDesync"
-DESYNC_CULPRITS = "job_id_pg_rank:frexporter_pg_last_enqueued_seq:desync_culprits"
 RANK_DOWN = "FrexporterRankDown"
 RANK_ABSENT = "FrexporterRankAbsent"
 JOB_TIMEOUT_S = 60.0  # gloo's own timeout in the desync job: the page must come well before it
 POLL_S = 0.2
 
 
-def _desync_timing() -> tuple[float, float]:
-    """The scaled FrexporterCollectiveDesync fallback threshold (in the culprits it reads) and "for"."""
-    rules = [r for g in load_rules(SCALE)["groups"] for r in g["rules"]]
-    rule = next(r for r in rules if r.get("alert") == DESYNC)
-    culprits = next(r for r in rules if r.get("record") == DESYNC_CULPRITS)
-    threshold = re.search(r">= ([\d.]+)\s+# @scale", culprits["expr"])
-    assert threshold is not None, culprits["expr"]
-    return float(threshold[1]), parse_duration(rule["for"])
-
-
 def _start_exporter(promstack: PromStack, exporter_factory: Callable[..., Any], job: Job) -> None:
-    threshold, _ = _desync_timing()
+    threshold, _ = desync_timing(SCALE)
     since = time.time()
     # stuck_after at the rules' threshold, so the exporter's own verdict (quoted in the alert's
     # description) is there when the alert fires.
@@ -85,7 +73,7 @@ def test_skipped_subgroup_collective_pages_only_the_root_rank(
 
     # Rank 2 lags in WORLD a step's compute after rank 3 lags in the pair PG, so had the rules blamed it,
     # it would have gone pending by now and fire within one "for" and a notification round trip more.
-    threshold, hold_for = _desync_timing()
+    threshold, hold_for = desync_timing(SCALE)
 
     def only_rank_3() -> None:
         noted = {(n.labels["rank"], n.labels["pg_desc"]) for n in promstack.webhook.notifications(job_id=job_id)}
@@ -108,7 +96,7 @@ def test_legitimately_slow_rank0_does_not_page(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     job_id = "e2e-slow-rank0"
-    threshold, hold_for = _desync_timing()
+    threshold, hold_for = desync_timing(SCALE)
     slow = threshold / 2  # below the threshold by more than a poll, a scrape and an evaluation
     job = job_factory("slow_rank0", 3, job_id=job_id, env={"JOB_SLOW_SECONDS": f"{slow:g}"})
     job.wait_ready()
@@ -178,8 +166,7 @@ def test_sigkilled_rank_pages_rank_down(
     latency = firing[0].received - killed_at
     assert {n.labels["rank"] for n in firing} == {"1"}
     assert firing[0].labels["severity"] == "critical"
-    hold_for = parse_duration(next(r for g in load_rules(SCALE)["groups"] for r in g["rules"]
-                                   if r.get("alert") == RANK_DOWN)["for"])
+    hold_for = alert_for(RANK_DOWN, SCALE)
     _report(capsys, f"{RANK_DOWN} rank 1: webhook {latency:.2f}s after SIGKILL (for {hold_for:g}s)")
 
 
@@ -191,7 +178,7 @@ def test_rank_failing_before_init_pages_rank_absent(
     job_id = "e2e-absent"
     job = job_factory("pre_init_fail", 3, job_id=job_id, launcher_env=True)
     try:
-        threshold, _ = _desync_timing()
+        threshold, _ = desync_timing(SCALE)
         since = time.time()
         exporter_factory(job.spool, port=promstack.exporter_port, stuck_after=threshold)
         promstack.wait_target_up(since)
@@ -201,8 +188,7 @@ def test_rank_failing_before_init_pages_rank_absent(
 
         wait_for(two_reporting, timeout=30, interval=POLL_S, what=f"Prometheus sees ranks 0 and 2 of {job_id}")
         seen_at = time.time()
-        hold_for = parse_duration(next(r for g in load_rules(SCALE)["groups"] for r in g["rules"]
-                                       if r.get("alert") == RANK_ABSENT)["for"])
+        hold_for = alert_for(RANK_ABSENT, SCALE)
         firing = wait_for(lambda: _firing(promstack, RANK_ABSENT, job_id), timeout=hold_for + 60, interval=0.1,
                           what=f"{RANK_ABSENT} for {job_id} at the webhook")
         latency = firing[0].received - seen_at
