@@ -182,15 +182,16 @@ def _histogram_series(family: PromMetric) -> Iterator[tuple[dict[str, str], Hist
 
 
 def snapshot_metrics(snapshot: NodeSnapshot) -> Iterator[tuple[OtelMetric, str, dict[str, str],
-                                                                float | HistogramValue]]:
-    """(metric, description, attributes, value) for every sample (a whole series for a histogram) the
-    Prometheus collector renders."""
+                                                                float | HistogramValue, float | None]]:
+    """(metric, description, attributes, value, the sample's own time or None) for every sample (a whole series
+    for a histogram) the Prometheus collector renders. Only gloo's arrivals carry a time of their own (their grid
+    instant's, sources/arrivals.py): the rules compare the same instant of every node by it."""
     for family in SnapshotCollector(lambda: snapshot).collect():
         if family.type == "histogram":
             spec = otel_metric(family.name)
             if spec is not None:
                 for labels, value in _histogram_series(family):
-                    yield spec, spec.description or family.documentation, labels, value
+                    yield spec, spec.description or family.documentation, labels, value, None
             continue
         # A counter's *_created sample is not a value.
         wanted = {"gauge": family.name, "counter": family.name + "_total"}.get(family.type)
@@ -202,14 +203,15 @@ def snapshot_metrics(snapshot: NodeSnapshot) -> Iterator[tuple[OtelMetric, str, 
             if spec.gpu:
                 attributes["hw.id"] = sample.labels.get(n.L_GPU_UUID, "")
                 attributes["hw.type"] = "gpu"
-            yield spec, spec.description or family.documentation, attributes, float(sample.value)
+            stamp = None if sample.timestamp is None else float(sample.timestamp)
+            yield spec, spec.description or family.documentation, attributes, float(sample.value), stamp
 
 
 def metrics_data(snapshot: NodeSnapshot, resource: Resource, start_time_ns: int) -> MetricsData:
     """One OTLP request for ``snapshot``; cumulative sums count from ``start_time_ns`` (when pushing began)."""
     time_ns = int(snapshot.time * 1e9)
     grouped: dict[str, tuple[OtelMetric, str, list[Any]]] = {}
-    for spec, description, attributes, value in snapshot_metrics(snapshot):
+    for spec, description, attributes, value, stamp in snapshot_metrics(snapshot):
         start = 0 if spec.kind == "gauge" else start_time_ns
         point: NumberDataPoint | HistogramDataPoint
         if isinstance(value, HistogramValue):
@@ -218,8 +220,8 @@ def metrics_data(snapshot: NodeSnapshot, resource: Resource, start_time_ns: int)
                                        count=value.count, sum=value.sum, bucket_counts=value.bucket_counts,
                                        explicit_bounds=value.bounds, min=None, max=None)  # type: ignore[arg-type]
         else:
-            point = NumberDataPoint(attributes=attributes, start_time_unix_nano=start, time_unix_nano=time_ns,
-                                    value=value)
+            point = NumberDataPoint(attributes=attributes, start_time_unix_nano=start,
+                                    time_unix_nano=time_ns if stamp is None else int(stamp * 1e9), value=value)
         grouped.setdefault(spec.name, (spec, description, []))[2].append(point)
     metrics = []
     for name, (spec, description, points) in grouped.items():

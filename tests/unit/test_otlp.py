@@ -252,3 +252,19 @@ def test_internal_error_never_reaches_the_caller(pushers: list[OtlpPusher]) -> N
     assert pusher.force_flush() is False
     assert pusher.errors() == {otlp.REASON_INTERNAL: 1}
     assert "AttributeError" in pusher.status().last_error
+
+
+def test_a_sample_with_its_own_time_keeps_it_over_otlp() -> None:
+    # Gloo's arrivals are stamped with their grid instant's time (sources/arrivals.py); every other point carries
+    # the poll's. A receiver that writes to Prometheus then holds the same instant of every node, as a scrape does.
+    from opentelemetry.sdk.resources import Resource
+
+    from tests.fakes.snapshot import fixed_snapshot
+
+    snap = fixed_snapshot()
+    data = otlp.metrics_data(snap, Resource.create({}), start_time_ns=0)
+    points = {m.name: m.data.data_points for rm in data.resource_metrics for sm in rm.scope_metrics
+              for m in sm.metrics}
+    (arrival,) = points["frexporter.rank.collective_arrival_timestamp"]
+    assert arrival.time_unix_nano == 1_700_000_181 * 10**9  # the stamp the fixture gives it
+    assert {p.time_unix_nano for p in points["frexporter.rank.up"]} == {int(snap.time * 1e9)}
