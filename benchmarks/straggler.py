@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ TARGET_S = 60.0  # named within this at 30 % (the issue's target)
 NAME_TIMEOUT_S = 240.0
 WARM_S = 75.0  # arrivals in Prometheus, a full 1 m rate window, then a clean check
 LAG = "job_id_pg_rank:" + n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS + ":lag"
+MAD = "job_id_pg:" + n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS + ":mad"
 
 
 @dataclass
@@ -74,17 +76,27 @@ class Seen:
     pending: set[str] = field(default_factory=set)
     polls: int = 0
     polls_with_signal: int = 0  # every rank had a recorded lag
+    lagless: Counter[int] = field(default_factory=Counter)  # polls by how many ranks had no lag
+    evidence: list[str] = field(default_factory=list)  # what Prometheus held when an alert was pending or firing
 
     def watch(self, stack: PromStack, job_id: str) -> None:
         self.polls += 1
-        for alert in stack.alerts(alertname=ALERT, job_id=job_id):
+        alerts = stack.alerts(alertname=ALERT, job_id=job_id)
+        for alert in alerts:
             rank = alert["labels"].get("rank", "?")
             if alert["state"] == "firing":
                 self.firing.setdefault(rank, time.time())
             else:
                 self.pending.add(rank)
-        if len(stack.query(f'{LAG}{{job_id="{job_id}"}}')) == WORLD:
+        lags = {s["metric"]["rank"]: float(s["value"][1]) for s in stack.query(f'{LAG}{{job_id="{job_id}"}}')}
+        self.lagless[WORLD - len(lags)] += 1
+        if len(lags) == WORLD:
             self.polls_with_signal += 1
+        if alerts and len(self.evidence) < 20:
+            mad = stack.query(f'{MAD}{{job_id="{job_id}"}}')
+            self.evidence.append(f"{time.strftime('%H:%M:%S')} {[a['labels'].get('rank') for a in alerts]} "
+                                 f"lags_ms={ {r: round(v * 1000, 1) for r, v in sorted(lags.items())} } "
+                                 f"mad_ms={[round(float(m['value'][1]) * 1000, 1) for m in mad]}")
 
 
 def _exporter_child(spool: str, port: int, offset: float) -> int:
@@ -94,9 +106,9 @@ def _exporter_child(spool: str, port: int, offset: float) -> int:
 
         original = arrivals.ArrivalTracker.arrival
 
-        def shifted(self: arrivals.ArrivalTracker, *args: Any) -> float | None:
-            value = original(self, *args)
-            return None if value is None else value + offset
+        def shifted(self: arrivals.ArrivalTracker, *args: Any) -> tuple[float, float] | None:
+            answer = original(self, *args)
+            return None if answer is None else (answer[0] + offset, answer[1])
 
         arrivals.ArrivalTracker.arrival = shifted  # type: ignore[method-assign]
     from frexporter import cli
@@ -176,9 +188,15 @@ def soak(stack: PromStack, workdir: Path, setup: Setup, seconds: float, tag: str
         started = time.monotonic()
         seen = _settle(stack, job_id, seconds)
         elapsed = time.monotonic() - started
+        peak = {s["metric"]["rank"]: round(float(s["value"][1]) * 1000, 1) for s in stack.query(
+            f'max_over_time({LAG}{{job_id="{job_id}"}}[{round(seconds)}s])')}
+    for line in seen.evidence:
+        print(f"  [{tag}] {line}", flush=True)
     return {"case": tag, "seconds": round(elapsed), "offset_ms": setup.offset * 1000,
             "firing": sorted(seen.firing), "pending": sorted(seen.pending),
-            "signal_share": round(seen.polls_with_signal / max(1, seen.polls), 3), "polls": seen.polls}
+            "signal_share": round(seen.polls_with_signal / max(1, seen.polls), 3), "polls": seen.polls,
+            "ranks_without_lag": dict(sorted(seen.lagless.items())),
+            "peak_lag_ms": dict(sorted(peak.items(), key=lambda kv: int(kv[0])))}
 
 
 def _print(row: dict[str, Any]) -> None:
