@@ -205,10 +205,12 @@ _RELABEL = {
 }
 _ENDPOINT = {
     "type": "object",
-    "required": ["port", "path", "interval", "relabelings"],
+    "required": ["port", "path", "interval", "relabelings", "honorTimestamps"],
     "additionalProperties": False,
     "properties": {
         "port": _STR, "path": _STR, "interval": _DURATION, "scrapeTimeout": _DURATION,
+        # Gloo's straggler arrivals carry their own time (docs/durations.md): the monitor must keep it.
+        "honorTimestamps": {"const": True},
         "relabelings": {"type": "array", "items": _RELABEL},
         "metricRelabelings": {"type": "array", "items": _RELABEL},
     },
