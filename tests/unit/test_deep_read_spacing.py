@@ -55,3 +55,37 @@ def test_with_collective_waits_every_rank_is_read_after_each_grid_instant(
         return
     assert len({read_point(t) for t in routine}) == len(routine)  # at most one read per grid period ...
     assert len(routine) == 3 and all(0 <= late < 1.5 for late in after_point)  # ... right after its read point
+
+
+def test_a_slow_parse_is_the_exporter_s_cost_not_the_rank_s(node_factory: Callable[..., Node],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # A node of many ranks parses several full rings at once: each read then takes long on the exporter's side
+    # while every rank answered at once. The read points' budget is the rank's time, so reads keep coming at them.
+    import time
+
+    from frexporter.fr import trace
+
+    parse = trace.parse_answer
+
+    def slow_parse(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.2)  # the slow parse is what is under test: over the 120 ms the read points may cost a rank
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(trace, "parse_answer", slow_parse)
+    node = node_factory(1, deep_interval=15.0, collective_waits=True)
+    reads: list[float] = []
+    dump = node.dump
+
+    def counted(r: int) -> dict[str, Any]:
+        reads.append(node.now)
+        return dump(r)
+
+    node.dump = counted  # type: ignore[method-assign]
+    node.now = math.floor(node.now / ARRIVAL_GRID) * ARRIVAL_GRID + 7.0
+    for seq in range(1, 47):
+        node.rings[0].append(raw(seq - 1, seq))
+        node.poll()
+    track = next(iter(node.source._ranks.values()))  # the scheduler measured both
+    assert track.deep_seconds is not None and track.deep_seconds >= 0.2
+    assert track.deep_answer_seconds is not None and track.deep_answer_seconds < 0.12
+    assert len(reads) == 4 and all(0 <= t - read_point(t) < 1.5 for t in reads[1:])

@@ -139,10 +139,14 @@ class SocketScheduler:
         interval = routine_deep_interval(track.deep_seconds, self.config)
         if mono - (track.deep_mono or 0.0) >= interval:
             return True
-        # The arrivals' reads may take up to ARRIVAL_READ_SHARE of the rank's time (a read of 120 ms every 15 s
-        # at the defaults: a slow node's full ring) before they too are spaced by the read's cost.
-        affordable = (self.config.deep_read_share <= 0 or track.deep_seconds is None
-                      or track.deep_seconds <= arrivals.ARRIVAL_GRID * arrivals.ARRIVAL_READ_SHARE)
+        # The arrivals' reads may take up to ARRIVAL_READ_SHARE of the rank's time (an answer of 120 ms every 15 s
+        # at the defaults: a slow node's full ring) before they too are spaced by their cost. The rank's time is
+        # until its answer is in: parsing it is the exporter's, which on a node of many ranks parses several
+        # rings at once and would otherwise make every full ring look too dear (the soak's ranks lost most
+        # instants once their rings filled).
+        spent = track.deep_answer_seconds
+        affordable = (self.config.deep_read_share <= 0 or spent is None
+                      or spent <= arrivals.ARRIVAL_GRID * arrivals.ARRIVAL_READ_SHARE)
         return (self.config.collective_waits and now is not None and affordable
                 and track.deep_time is not None and track.deep_time < arrivals.read_point(now))
 
@@ -180,22 +184,26 @@ class SocketScheduler:
                     return True
         return False
 
-    def _deep_read(self, manifest: Manifest, path: str) -> tuple[dict[str, trace.FrDump], float]:
-        """Every recorder's ring of one rank, and how long reading them took (on a socket thread)."""
+    def _deep_read(self, manifest: Manifest, path: str) -> tuple[dict[str, trace.FrDump], float, float]:
+        """Every recorder's ring of one rank, how long reading them took, and of that how long the rank took to
+        answer (on a socket thread)."""
         started = time.perf_counter()
+        answering = 0.0
         dumps = {}
         for recorder in manifest.recorders:
             handler = worker_handlers.BY_RECORDER.get(recorder)
             if handler is None or (manifest.handlers and handler.name not in manifest.handlers):
                 continue
             bounds = trace.answer_bounds(manifest.fr_buffer_size, manifest.members_total)
+            asked = time.perf_counter()
             body = worker_handlers.call(path, handler, self.config.rank_timeout, max_bytes=bounds.max_bytes,
                                         trust=self._trust)
+            answering += time.perf_counter() - asked
             try:
                 dumps[recorder] = trace.parse_answer(body, bounds, f"{path} {handler.name}")
             finally:
                 del body  # neither while the next recorder is read nor by a refusal's traceback
-        return dumps, time.perf_counter() - started
+        return dumps, time.perf_counter() - started, answering
 
     # ------------------------------------------------------------------ answers
 
@@ -223,7 +231,7 @@ class SocketScheduler:
                 read, error = outcome(track.deep_pending)
                 track.deep_pending = None
                 if error is None:
-                    dumps, track.deep_seconds = read
+                    dumps, track.deep_seconds, track.deep_answer_seconds = read
                     self._absorb_deep(track, dumps, now)
                     track.deep_mono = mono
                     track.socket_alive = True

@@ -56,6 +56,7 @@ class RankTrack:
     deep_time: float | None = None  # wall clock of the last deep read (exported)
     deep_mono: float | None = None  # the same moment on the monotonic clock (spacing decisions)
     deep_seconds: float | None = None  # how long the last deep read took (request to parsed answer)
+    deep_answer_seconds: float | None = None  # of that, until the rank's answer was in (the rank's own share)
     learned_ids: dict[str, dict[int, str]] = field(default_factory=dict)  # recorder -> pg id -> name
     # (recorder, pg id) whose entries an NCCL-family backend recorded (pg_state.choose prefers them)
     nccl_ids: set[tuple[str, int]] = field(default_factory=set)
