@@ -273,15 +273,7 @@ class PromStack:
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         """The result vector of an instant query."""
-        url = f"{self.prom_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        try:
-            body = get_json(url)
-        except urllib.error.HTTPError as e:
-            # Prometheus says why in the body. Not an AssertionError: wait_for must not retry a bad query.
-            raise QueryError(f"query {promql!r}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
-        assert body["status"] == "success", body
-        result: list[dict[str, Any]] = body["data"]["result"]
-        return result
+        return instant_query(self.prom_url, promql)
 
     def alerts(self, **labels: str) -> list[dict[str, Any]]:
         """Prometheus' pending and firing alerts whose labels include ``labels``."""
@@ -292,6 +284,18 @@ class PromStack:
         """Until Prometheus has scraped the exporter port (the first unless ``port``) successfully after unix
         time ``since`` (the first scrape after the stack starts takes about 5 s: target discovery is batched)."""
         wait_scraped(self.prom_url, self.exporter_port if port is None else port, since, timeout)
+
+
+def instant_query(url: str, promql: str, **params: str) -> list[dict[str, Any]]:
+    """The result vector of an instant query to the Prometheus-compatible API at ``url``."""
+    try:
+        body = get_json(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": promql, **params}))
+    except urllib.error.HTTPError as e:
+        # The engine says why in the body. Not an AssertionError: wait_for must not retry a bad query.
+        raise QueryError(f"query {promql!r}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
+    assert body["status"] == "success", body
+    result: list[dict[str, Any]] = body["data"]["result"]
+    return result
 
 
 def wait_scraped(url: str, port: int, since: float, timeout: float) -> None:

@@ -35,8 +35,8 @@ from tests.promstack import (
     START_TIMEOUT_S,
     Daemons,
     MissingTool,
-    QueryError,
     get_json,
+    instant_query,
     wait_scraped,
 )
 from tests.rulefile import render_rules
@@ -158,14 +158,7 @@ class VmStack:
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         """The result vector of an instant query to victoria-metrics (MetricsQL), now."""
-        url = f"{self.vm_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql, "nocache": "1"})
-        try:
-            body = get_json(url)
-        except urllib.error.HTTPError as e:
-            raise QueryError(f"query {promql!r}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
-        assert body["status"] == "success", body
-        result: list[dict[str, Any]] = body["data"]["result"]
-        return result
+        return instant_query(self.vm_url, promql, nocache="1")
 
     def alerts(self, **labels: str) -> list[dict[str, Any]]:
         """vmalert's pending and firing alerts whose labels include ``labels``."""

@@ -28,13 +28,8 @@ def test_the_interval_is_the_configured_one_until_reads_are_slow() -> None:
     assert RanksConfig.deep_read_share == defaults.DEEP_READ_SHARE
 
 
-@pytest.mark.parametrize("waits", [True, False])
-def test_with_collective_waits_every_rank_is_read_after_each_grid_instant(
-        node_factory: Callable[..., Node], waits: bool) -> None:
-    # The gloo arrivals need every node to have read each grid instant's block before reporting it
-    # (sources/arrivals.py): with --collective-waits a routine read also comes at each read point, where the
-    # interval alone (every 15 s from the first read) reads at whatever phase the rank was first seen.
-    node = node_factory(1, deep_interval=15.0, collective_waits=waits)
+def _count_reads(node: Node) -> list[float]:
+    """The fake clock's time of every deep read of rank 0 from now on."""
     reads: list[float] = []
     dump = node.dump
 
@@ -43,11 +38,26 @@ def test_with_collective_waits_every_rank_is_read_after_each_grid_instant(
         return dump(r)
 
     node.dump = counted  # type: ignore[method-assign]
-    # First seen 8 s after a grid instant (poll() adds a second first), well away from the read points.
-    node.now = math.floor(node.now / ARRIVAL_GRID) * ARRIVAL_GRID + 7.0
-    for seq in range(1, 47):  # 46 polls, a second apart, the ring moving each time
+    return reads
+
+
+def _poll_moving(node: Node, polls: int) -> None:
+    for seq in range(1, polls + 1):
         node.rings[0].append(raw(seq - 1, seq))
         node.poll()
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_with_collective_waits_every_rank_is_read_after_each_grid_instant(
+        node_factory: Callable[..., Node], waits: bool) -> None:
+    # The gloo arrivals need every node to have read each grid instant's block before reporting it
+    # (sources/arrivals.py): with --collective-waits a routine read also comes at each read point, where the
+    # interval alone (every 15 s from the first read) reads at whatever phase the rank was first seen.
+    node = node_factory(1, deep_interval=15.0, collective_waits=waits)
+    reads = _count_reads(node)
+    # First seen 8 s after a grid instant (poll() adds a second first), well away from the read points.
+    node.now = math.floor(node.now / ARRIVAL_GRID) * ARRIVAL_GRID + 7.0
+    _poll_moving(node, 46)  # 46 polls, a second apart, the ring moving each time
     routine = reads[1:]  # the first read is the rank's first sight
     after_point = [t - read_point(t) for t in routine]
     if not waits:
@@ -73,18 +83,9 @@ def test_a_slow_parse_is_the_exporter_s_cost_not_the_rank_s(node_factory: Callab
 
     monkeypatch.setattr(trace, "parse_answer", slow_parse)
     node = node_factory(1, deep_interval=15.0, collective_waits=True)
-    reads: list[float] = []
-    dump = node.dump
-
-    def counted(r: int) -> dict[str, Any]:
-        reads.append(node.now)
-        return dump(r)
-
-    node.dump = counted  # type: ignore[method-assign]
+    reads = _count_reads(node)
     node.now = math.floor(node.now / ARRIVAL_GRID) * ARRIVAL_GRID + 7.0
-    for seq in range(1, 47):
-        node.rings[0].append(raw(seq - 1, seq))
-        node.poll()
+    _poll_moving(node, 46)
     track = next(iter(node.source._ranks.values()))  # the scheduler measured both
     assert track.deep_seconds is not None and track.deep_seconds >= 0.2
     assert track.deep_answer_seconds is not None and track.deep_answer_seconds < 0.12
