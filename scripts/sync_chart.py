@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
-"""Copy the canonical rules and the generated dashboards into the Helm chart.
+"""Copy the canonical rules, their two tiers and the generated dashboards into the Helm chart.
 
-The chart renders its PrometheusRule and dashboard ConfigMaps with ``.Files``, which
+The chart renders its PrometheusRules and dashboard ConfigMaps with ``.Files``, which
 only reads files inside the chart directory, so it carries copies:
 
-  frexporter/rules/frexporter.rules.yml  ->  helm/frexporter/files/frexporter.rules.yml
-  grafana/*.json                          ->  helm/frexporter/files/dashboards/*.json
+  frexporter/rules/frexporter.rules.yml         ->  helm/frexporter/files/frexporter.rules.yml
+  frexporter/rules/frexporter.shard.rules.yml   ->  helm/frexporter/files/frexporter.shard.rules.yml
+  frexporter/rules/frexporter.global.rules.yml  ->  helm/frexporter/files/frexporter.global.rules.yml
+  grafana/*.json                                 ->  helm/frexporter/files/dashboards/*.json
+
+The tier files are generated from the canonical one by scripts/rule_tiers.py; this
+script copies them as they are committed and does not regenerate them.
 
 ``python scripts/sync_chart.py`` refreshes the copies (and removes dashboards whose
 source is gone); ``--check`` changes nothing and exits 1 when a copy drifted.
@@ -20,10 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RULES_SOURCE = Path("frexporter/rules/frexporter.rules.yml")
+RULES_DIR = Path("frexporter/rules")
+# The single-Prometheus rules (prometheusRule.layout: single) and the two tiers (layout: tiered).
+RULES_FILES = ("frexporter.rules.yml", "frexporter.shard.rules.yml", "frexporter.global.rules.yml")
 DASHBOARDS_SOURCE = Path("grafana")
 CHART = Path("helm/frexporter")
-RULES_TARGET = Path("files/frexporter.rules.yml")
+RULES_TARGET_DIR = Path("files")
 DASHBOARDS_TARGET = Path("files/dashboards")
 
 
@@ -52,7 +59,7 @@ def _show(path: Path, root: Path) -> str:
 
 def plan(repo: Path, chart: Path) -> list[Change]:
     """Every copy that does not match its source, and every copied dashboard without one."""
-    pairs = [(repo / RULES_SOURCE, chart / RULES_TARGET)]
+    pairs = [(repo / RULES_DIR / name, chart / RULES_TARGET_DIR / name) for name in RULES_FILES]
     sources = sorted((repo / DASHBOARDS_SOURCE).glob("*.json"))
     pairs += [(src, chart / DASHBOARDS_TARGET / src.name) for src in sources]
     changes = []

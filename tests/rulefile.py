@@ -17,11 +17,15 @@ from typing import Any
 
 import yaml
 
-__all__ = ["RULES_PATH", "SCALE_MARKER", "alert_for", "desync_timing", "find_rule", "load_rules", "parse_duration",
-           "render_rules"]
+__all__ = ["DESYNC_HELD", "RULES_PATH", "SCALE_MARKER", "STUCK_WAIT", "alert_for", "desync_timing", "find_rule",
+           "load_rules", "parse_duration", "render_rules"]
 
 RULES_PATH = Path(__file__).resolve().parent.parent / "frexporter" / "rules" / "frexporter.rules.yml"
 SCALE_MARKER = "@scale"
+# The desync's shard-tier records that tests read: the stuck waits (with the 30 s fallback threshold) and each
+# candidate's activity (held or not).
+STUCK_WAIT = "job_id_pg_shard:frexporter_pg_oldest_inflight_age_seconds:stuck_wait_max"
+DESYNC_HELD = "job_id_pg_rank_shard:frexporter_rank_activity_since_timestamp_seconds:bottomk_held"
 
 _UNIT_SECONDS = {
     "ms": 0.001,
@@ -117,13 +121,14 @@ def alert_for(alert: str, scale: float = 1.0) -> float:
     return parse_duration(find_rule(alert, scale).get("for", "0s"))
 
 
-_FALLBACK_THRESHOLD = re.compile(r">= ([\d.]+)\s+# " + re.escape(SCALE_MARKER))
+_FALLBACK_THRESHOLD = re.compile(r"\+ ([\d.]+)\s+# " + re.escape(SCALE_MARKER))
 
 
 def desync_timing(scale: float = 1.0) -> tuple[float, float]:
-    """FrexporterCollectiveDesync's fallback threshold (seconds, in the culprits record it reads) and its "for"."""
-    culprits = find_rule("job_id_pg_rank:frexporter_pg_last_enqueued_seq:desync_culprits", scale)
-    threshold = _FALLBACK_THRESHOLD.search(culprits["expr"])
+    """FrexporterCollectiveDesync's fallback threshold (seconds, in the stuck waits record its culprits read) and its
+    "for"."""
+    stuck = find_rule(STUCK_WAIT, scale)
+    threshold = _FALLBACK_THRESHOLD.search(stuck["expr"])
     if threshold is None:
-        raise ValueError(f"no @scale threshold in the desync culprits record: {culprits['expr']}")
+        raise ValueError(f"no @scale threshold in the stuck waits record: {stuck['expr']}")
     return float(threshold[1]), alert_for("FrexporterCollectiveDesync", scale)

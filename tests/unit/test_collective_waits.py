@@ -206,8 +206,8 @@ def test_ranking_and_rule_use_the_same_numbers() -> None:
     expr = " ".join(alert["expr"].split())
     for signal in (n.RANK_COLLECTIVE_WAIT_SECONDS, n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS):
         assert f"{WAIT_MAD_FACTOR:g} * job_id_pg:{signal}:mad" in expr
-        assert f"job_id_pg_rank:{signal}:lag > {WAIT_MIN_LAG:g}" in expr
-        assert f"count by (job_id, pg, pg_desc) (job_id_pg_rank:{signal}:lag) >= {WAIT_MIN_RANKS}" in expr
+        assert f"job_id_pg_rank:{signal}:straggler_lag > {WAIT_MIN_LAG:g}" in expr
+        assert f"sum by (job_id, pg, pg_desc) (job_id_pg_shard:{signal}:count) >= {WAIT_MIN_RANKS}" in expr
 
 
 def test_prometheus_view_reads_waits_and_the_report_ranks_them() -> None:

@@ -15,7 +15,15 @@ import yaml
 from frexporter import naming
 from frexporter.model import BUSY_HOLD_SECONDS
 from tests.harness import REPO
-from tests.rulefile import RULES_PATH, SCALE_MARKER, load_rules, parse_duration, render_rules
+from tests.rulefile import (
+    DESYNC_HELD,
+    RULES_PATH,
+    SCALE_MARKER,
+    STUCK_WAIT,
+    load_rules,
+    parse_duration,
+    render_rules,
+)
 from tests.shared.rules import UNIT_TESTS, shipped_alerts, shipped_rules
 
 # Repository-relative: where the runbooks are served is the deployment's to say (the Helm chart prefixes
@@ -73,7 +81,9 @@ def test_rules_reference_only_metrics_named_in_naming() -> None:
         assert {n for n in names if ":" in n} <= recorded, rule
         referenced |= {n for n in names if n.startswith(naming.PREFIX)}
         for text in rule.get("annotations", {}).values():
-            referenced |= set(re.findall(r"\b" + naming.PREFIX + r"\w+", text))
+            # The notifications' queries read raw series and recording rules (level:metric:operations).
+            assert set(re.findall(r"\w+:\w+:\w+", text)) <= recorded, text
+            referenced |= set(re.findall(r"(?<![\w:])" + naming.PREFIX + r"\w+(?![\w:])", text))
     assert referenced, "found no metric names: the scan is broken"
     assert naming.PG_LAST_ENQUEUED_SEQ in referenced
     assert referenced <= known, referenced - known
@@ -85,6 +95,9 @@ _NODE_AGE = re.compile(
     r"max by \(job, instance\) \(\s*" + re.escape(naming.POLL_TIMESTAMP_SECONDS) + r" \+ time\(\) - timestamp\("
     + re.escape(naming.POLL_TIMESTAMP_SECONDS) + r"\)\s+or on \(job, instance\)\s+0 \* up \+ time\(\)\s*\)"
     r"\s+- on \(job, instance\) group_right \(\) (?=frexporter_\w+_timestamp_seconds\b)")
+# Prometheus' own time, recorded as a value (when a shard recorded its candidates), or against such a value less an
+# age (a shard's candidates older than the waits are left out): no node clock in either.
+_RECORDED_AT = re.compile(r"\+ time\(\)$|\(time\(\) - max by \([\w, ]+\) \(\w+:\w+:\w+\)\)", re.M)
 # Node timestamps the rules only test for presence or state, never read as a time.
 _NOT_READ_AS_TIMES = {naming.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS}
 # The one node timestamp compared across nodes on purpose: gloo's straggler signal, a rank's call time against its
@@ -100,8 +113,9 @@ def test_node_timestamps_are_only_aged_on_their_own_node_s_clock(rule: dict[str,
     texts = [re.sub(r"#[^\n]*", "", rule["expr"]), *rule.get("annotations", {}).values()]
     for text in texts:
         aged = {m.end() for m in _NODE_AGE.finditer(text)}
-        assert "time()" not in _NODE_AGE.sub("", text), text
-        for m in re.finditer(r"frexporter_\w+_timestamp_seconds\b", text):
+        assert "time()" not in _RECORDED_AT.sub("", _NODE_AGE.sub("", text)), text
+        # Raw series only: a recording rule's name (level:metric:operations) holds its source's name.
+        for m in re.finditer(r"(?<![\w:])frexporter_\w+_timestamp_seconds(?![\w:])", text):
             if m.group() == naming.POLL_TIMESTAMP_SECONDS or m.group() in _NOT_READ_AS_TIMES | _COMPARED_ACROSS_NODES:
                 continue
             assert m.start() in aged, f"{m.group()} not aged on its node's clock at {m.start()}: {text}"
@@ -163,21 +177,21 @@ def test_load_rules_scaled_desync_timing() -> None:
         for rule in group["rules"]
         if rule.get("alert") == "FrexporterCollectiveDesync"
     )
-    culprits = next(
+    stuck = next(
         rule
         for group in load_rules(0.1)["groups"]
         for rule in group["rules"]
-        if rule.get("record") == "job_id_pg_rank:frexporter_pg_last_enqueued_seq:desync_culprits"
+        if rule.get("record") == STUCK_WAIT
     )
     assert desync["for"] == "1500ms"
-    assert re.search(r">= 3\s+# @scale", culprits["expr"])  # the 30 s fallback threshold
+    assert re.search(r"\+ 3\s+# @scale", stuck["expr"])  # the 30 s fallback threshold
     assert re.search(r">= 6\s+# @scale", desync["expr"])  # the busy culprit's 60 s fallback ceiling
 
 
 def test_desync_busy_hold_is_the_model_s() -> None:
     """The alert's "busy within the last minute" is the node verdict's BUSY_HOLD_SECONDS (one answer)."""
-    desync = next(rule for rule in shipped_alerts() if rule["alert"] == "FrexporterCollectiveDesync")
-    windows = set(re.findall(r'\{state="busy"\}\[(\w+)\]', desync["expr"]))
+    held = next(rule for rule in shipped_rules() if rule.get("record") == DESYNC_HELD)
+    windows = set(re.findall(r'\{state="busy"\}\[(\w+)\]', held["expr"]))
     assert windows and {parse_duration(w) for w in windows} == {BUSY_HOLD_SECONDS}, windows
 
 

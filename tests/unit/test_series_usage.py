@@ -110,7 +110,7 @@ def test_no_dropped_name_occurs_in_an_alert_or_a_rule_it_reads(rows: list[su.Row
             break
         reached |= new
         texts += [records[name] for name in new]
-    assert "job_id_pg_rank:frexporter_pg_last_enqueued_seq:desync_culprits" in reached
+    assert "job_id_pg_rank:frexporter_pg_oldest_inflight_start_timestamp_seconds:age" in reached
     for recipe in su.RECIPES:
         for name in su.recipe_names(rows, recipe):
             spelled = [t for t in texts if re.search(rf"(?<![\w:]){re.escape(name)}(?![\w:])", t)]
@@ -173,8 +173,9 @@ def test_table_says_who_needs_what(used: su.Usage, rows: list[su.Row]) -> None:
     assert all(not by_name[name].opt_in for recipe in su.RECIPES for name in su.recipe_names(rows, recipe))
     # The reference node's total is the budgeted one.
     assert sum(r.per_rank for r in rows) == 40
-    # Recording rules: the desync culprits feed an alert, the PG rank count only the dashboards.
-    assert used.rules["job_id_pg_rank:frexporter_pg_last_enqueued_seq:desync_culprits"] == su.ALERTS
+    # Recording rules: the in-flight ages feed alerts (through the shard exports), the PG rank count only the
+    # dashboards.
+    assert used.rules["job_id_pg_rank:frexporter_pg_oldest_inflight_start_timestamp_seconds:age"] == su.ALERTS
     assert used.rules["job_id_pg:frexporter_pg_ranks:count"] == su.DASHBOARDS
 
 
