@@ -40,6 +40,14 @@ EXPORT = re.compile(r"^\w+_shard:\w+:\w+$")
 # What the global tier reads from the shards: their exports, and the exporters' open verdicts (few: one per
 # culprit), which the desync notification quotes for the culprit's op.
 FEDERATE_MATCH = ('{__name__=~".+_shard:.+"}', '{__name__="frexporter_verdict"}')
+# The federation job must not honor the shards' sample timestamps: Prometheus writes no staleness marker for a series
+# scraped with its own timestamp, so with the default (true) an export a shard stops recording (a candidate whose
+# culprit_state changed) stays on the global for the 5-minute lookback beside its successor, and the desync alert
+# fails to evaluate ("many-to-many matching not allowed"); a down shard's exports stay as long. Measured by
+# tests/e2e/test_tiers_live.py. With false, the global stamps each scrape itself and what leaves /federate, or a
+# shard whose scrape fails, goes stale at once. A shard that falls behind is told apart by the values it records
+# (the candidates' recording time), not by timestamps.
+FEDERATE_HONOR_TIMESTAMPS = False
 SHARD_LABEL = "shard"
 GLOBAL_GROUP_SUFFIX = "-global"
 _NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
@@ -112,7 +120,8 @@ _HEADER = {
            "# It pages on per-rank alerts and records the per-(job, PG) exports (level *_shard) that the\n"
            "# global tier federates. Set the external label shard: <a name unique per shard>.\n",
     GLOBAL: "# frexporter: the global tier of the rules, for the Prometheus that federates every shard's\n"
-            "# exports (match[] " + " and ".join(FEDERATE_MATCH) + ").\n"
+            "# exports (match[] " + " and ".join(FEDERATE_MATCH) + ",\n"
+            "# honor_labels: true, honor_timestamps: false).\n"
             "# It pages on the cross-node alerts with the same labels as the single-Prometheus rules.\n",
 }
 

@@ -983,6 +983,7 @@ def test_docs_tiered_selectors_pick_one_tier_each(helm: str, tmp_path: Path) -> 
 def test_docs_tiered_federation_passes_promtool(tmp_path: Path) -> None:
     (job,) = yaml.safe_load(doc_block("tiered-federation"))
     assert job["honor_labels"] is True and job["metrics_path"] == "/federate"
+    assert job["honor_timestamps"] is rule_tiers.FEDERATE_HONOR_TIMESTAMPS
     assert job["params"]["match[]"] == list(rule_tiers.FEDERATE_MATCH)
     # Not the exporters' job name: FrexporterExporterDown reads up{job=~".*frexporter.*"}.
     assert "frexporter" not in job["job_name"]
