@@ -95,10 +95,12 @@ _NODE_AGE = re.compile(
     r"max by \(job, instance\) \(\s*" + re.escape(naming.POLL_TIMESTAMP_SECONDS) + r" \+ time\(\) - timestamp\("
     + re.escape(naming.POLL_TIMESTAMP_SECONDS) + r"\)\s+or on \(job, instance\)\s+0 \* up \+ time\(\)\s*\)"
     r"\s+- on \(job, instance\) group_right \(\) (?=frexporter_\w+_timestamp_seconds\b)")
-# Prometheus' own time, recorded as a value (when a shard recorded its candidates), against such a value less an
-# age (a shard's candidates older than the waits are left out): no node clock in either.
+# Prometheus' own time: recorded as a value (when a shard recorded its candidates), against such a value less an
+# age (a shard's candidates older than the waits are left out), or less the time of a node's last scrape (a node not
+# scraped lately is left out): no node clock in any.
 _RECORDED_AT = re.compile(r"\+ time\(\)$|\(time\(\) - max by \([\w, ]+\) \(\w+:\w+:\w+\)\)"
-                          r"|\(time\(\) - timestamp\(" + re.escape(naming.POLL_TIMESTAMP_SECONDS) + r"\) > [\d.]+\)", re.M)
+                          r"|\(time\(\) - timestamp\(" + re.escape(naming.POLL_TIMESTAMP_SECONDS)
+                          + r"\) > [\d.]+\)", re.M)
 # Node timestamps the rules only test for presence or state, never read as a time.
 _NOT_READ_AS_TIMES = {naming.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS}
 # The one node timestamp compared across nodes on purpose: gloo's straggler signal, a rank's call time against its
