@@ -115,6 +115,11 @@ def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 
 _BlockDumper.add_representer(str, _represent_str)
 
+
+def dump(doc: dict[str, Any]) -> str:
+    """A rule file's text, multi-line expressions as literal blocks (tests/rulefile.py renders scaled rules so too)."""
+    return yaml.dump(doc, Dumper=_BlockDumper, sort_keys=False, width=1000)
+
 _HEADER = {
     SHARD: "# frexporter: the shard tier of the rules, for each Prometheus that scrapes part of the nodes.\n"
            "# It pages on per-rank alerts and records the per-(job, PG) exports (level *_shard) that the\n"
@@ -128,7 +133,7 @@ _HEADER = {
 
 def render(doc: dict[str, Any], tier: str) -> str:
     """One tier's rule file, with a header saying where it comes from."""
-    body = yaml.dump(split(doc)[tier], Dumper=_BlockDumper, sort_keys=False, width=1000)
+    body = dump(split(doc)[tier])
     return (_HEADER[tier] + "# Generated from frexporter.rules.yml by scripts/rule_tiers.py: edit that file, then\n"
             "# run the script (docs/scale.md, \"Tiers\").\n" + body)
 

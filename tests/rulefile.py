@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from scripts import rule_tiers
+
 __all__ = ["DESYNC_HELD", "RULES_PATH", "SCALE_MARKER", "STUCK_WAIT", "alert_for", "desync_timing", "find_rule",
            "load_rules", "parse_duration", "render_rules"]
 
@@ -90,21 +92,9 @@ def load_rules(scale: float = 1.0) -> dict[str, Any]:
     return rules
 
 
-class _BlockDumper(yaml.SafeDumper):
-    """Writes multi-line expressions as literal blocks, so the rendered file reads like the canonical one."""
-
-
-def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_BlockDumper.add_representer(str, _represent_str)
-
-
 def render_rules(scale: float = 1.0) -> str:
     """``load_rules(scale)`` as a Prometheus rule file."""
-    return yaml.dump(load_rules(scale), Dumper=_BlockDumper, sort_keys=False, width=1000)
+    return rule_tiers.dump(load_rules(scale))
 
 
 def find_rule(name: str, scale: float = 1.0) -> dict[str, Any]:
