@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
@@ -314,8 +315,11 @@ def _free_port() -> int:
 
 
 def _get(url: str, timeout: float = 600.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:  # Prometheus says why in the body (a bad query: status "error")
+        return json.loads(e.read() or b"{}")
 
 
 def instant(base: str, expr: str, at: float) -> tuple[dict[str, Any], float]:
@@ -506,7 +510,8 @@ def _inline_once(expr: str, records: dict[str, str]) -> str:
 def evaluate_rules(base: str, at: float, repeats: int, sc: Scenario) -> list[dict[str, Any]]:
     out = []
     groups = yaml.safe_load(render_rules())["groups"]
-    records = {r["record"]: r["expr"] for g in groups for r in g["rules"] if "record" in r}
+    # A record's PromQL comments ("# @scale") would swallow what follows it once inlined on one line.
+    records = {r["record"]: re.sub(r"\s#[^\n]*", "", r["expr"]) for g in groups for r in g["rules"] if "record" in r}
     for group in groups:
         for rule in group["rules"]:
             name = rule.get("alert") or rule.get("record")

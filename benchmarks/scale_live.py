@@ -18,11 +18,16 @@ and timings (``--interval``, ``--scale`` change them).
    FrexporterCollectiveDesync fires on the tier that fires it (the single or the global Prometheus) or a deadline
    passes. Checked: it names exactly the culprit rank and PG, and no desync was pending or firing before the fault.
 
+4. ``frexporter analyze --prometheus`` (in process and as the CLI) over the servers that hold the ranks' series:
+   the one Prometheus, or every shard (``--prometheus`` repeated); timed while their rules run and again with
+   every rule paused. Checked: it names exactly the culprit.
+
 The fleet server is one Python thread of this process; its CPU per round is reported so that the reader sees
 what the simulation costs next to Prometheus. Everything runs on this machine's CPUs, which the report states.
 
 Run: ``python -m benchmarks.scale_live --nodes 16 --layout tiered --shards 2 --rounds 2`` (a few minutes);
-``--json`` for the numbers. Exit status 1 when the alert was wrong, missing, or a rule failed to evaluate.
+``--json`` for the numbers. Exit status 1 when the alert or the analysis was wrong, missing, or a rule failed to
+evaluate.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scale import real_exposition
+from benchmarks.scale import REPO, real_exposition
 from tests.fleet import (
     JOB_ID,
     RANKS_PER_NODE,
@@ -229,6 +234,39 @@ def desync(watcher: Watcher, fleet: FakeFleet, culprit: int, pg: str, since: flo
 # ---------------------------------------------------------------------------------------- the run
 
 
+def analyze(layout: PromLayout, culprit: int, pg: str) -> dict[str, Any]:
+    """``frexporter analyze --prometheus`` over the servers that hold the ranks' series (the shards, or the one
+    Prometheus), while their rules run and again with every rule paused (a server of its own)."""
+    urls = [s.url for s in (layout.shards or [layout.alerting])]
+    out: dict[str, Any] = {"servers": len(urls), "busy": _time_analyze(urls, culprit, pg)}
+    for server in layout.servers:
+        server.reload(PAUSED_INTERVAL)
+    try:
+        out["rules_paused"] = _time_analyze(urls, culprit, pg)
+    finally:
+        for server in layout.servers:
+            server.reload()
+    return out
+
+
+def _time_analyze(urls: list[str], culprit: int, pg: str) -> dict[str, Any]:
+    from frexporter.postmortem import report as analysis_report
+
+    started = time.perf_counter()
+    found = analysis_report.from_prometheus(urls, JOB_ID)
+    in_process = time.perf_counter() - started
+    hangs = sorted((v.kind, v.pg, list(v.ranks)) for v in found.verdicts)
+    argv = [sys.executable, "-m", "frexporter", "analyze", "--job-id", JOB_ID, "--json"]
+    for url in urls:
+        argv += ["--prometheus", url]
+    started = time.perf_counter()
+    cli = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    cli_s = time.perf_counter() - started
+    cli_hangs = sorted((v["kind"], v["pg"], v["ranks"]) for v in json.loads(cli.stdout or "[]"))
+    return {"in_process_s": round(in_process, 2), "cli_s": round(cli_s, 2), "ranks": len(found.ranks),
+            "verdicts": hangs, "correct": hangs == [("missing_rank", pg, [culprit])] and cli_hangs == hangs}
+
+
 def prometheus_version() -> str:
     out = subprocess.run([prometheus_binary(), "--version"], capture_output=True, text=True, timeout=30, check=False)
     return (out.stdout or out.stderr).splitlines()[0] if (out.stdout or out.stderr) else "unknown"
@@ -265,6 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             timeout = args.desync_timeout or (fleet.stuck_threshold_s + alert_for(DESYNC, args.scale)
                                               + 10 * args.interval)
             report["desync"] = desync(watcher, fleet, culprit, pg, started, timeout)
+            report["analyze"] = analyze(layout, culprit, pg)
             report["rule_errors"] = watcher.errors
     finally:
         if args.keep:
@@ -322,6 +361,12 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"    first seen (s after the fault): {d['first_seen_s'] or 'nothing'}")
     print(f"    named {d['named']} -> {'exactly the culprit' if d['correct'] else 'WRONG'}; desyncs before the "
           f"fault: {d['false_before_fault'] or 'none'}")
+    a = r["analyze"]
+    print(f"\n  frexporter analyze --prometheus over {a['servers']} server(s) holding the ranks' series:")
+    for when, label in (("busy", "their rules running"), ("rules_paused", "their rules paused")):
+        t = a[when]
+        print(f"    {label}: {t['in_process_s']:.2f} s in process, {t['cli_s']:.2f} s as a CLI; {t['ranks']} ranks; "
+              f"verdicts {t['verdicts']} -> {'culprit named' if t['correct'] else 'WRONG'}")
     if r["rule_errors"]:
         print(f"  RULE ERRORS: {r['rule_errors']}")
 
@@ -346,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_report(report)
     d = report["desync"]
-    return 0 if d["correct"] and not d["false_before_fault"] and not report["rule_errors"] else 1
+    right = d["correct"] and all(a["correct"] for a in (report["analyze"]["busy"], report["analyze"]["rules_paused"]))
+    return 0 if right and not d["false_before_fault"] and not report["rule_errors"] else 1
 
 
 if __name__ == "__main__":

@@ -177,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "lists collectives that completed although their ranks disagreed (past_mismatch) and ranks "
                     "still at a collective their peers completed (lagging_rank), after the hangs.")
     analyze.add_argument("dir", nargs="?", help="directory of FR dump files or an evidence bundle")
-    analyze.add_argument("--prometheus", metavar="URL", help="query this Prometheus instead of reading files")
+    analyze.add_argument("--prometheus", metavar="URL", action="append",
+                         help="query this Prometheus instead of reading files; repeat it for every shard of a "
+                              "tiered layout (each holds some nodes' series): the job is judged over all of them")
     analyze.add_argument("--job-id", default=None, help="restrict to one job (Prometheus)")
     analyze.add_argument("--stuck-after", type=float, default=None, metavar="SECONDS",
                          help="wait before a collective counts as stuck (default: 0 for dumps; for Prometheus "

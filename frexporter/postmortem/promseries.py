@@ -7,6 +7,7 @@ plain data out.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ def value(sample: Sample) -> float | None:
     return number if math.isfinite(number) else None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # pure, and called per series with few distinct values (ranks, sizes)
 def label_int(text: str) -> int | None:
     """A rank, size or pid label as an exporter writes it (str() of a C int): ASCII digits, no sign, no leading
     zero, at most MAX_RANK. int() takes far more ("٣", " 1", "1_0", "+2"), and would merge series that
@@ -88,16 +90,20 @@ def screened(samples: list[Sample], skipped: Skipped) -> list[Sample]:
     out = []
     for s in samples:
         labels = s["metric"]
-        bad = next((k for k in _INT_LABELS if k in labels and label_int(labels[k]) is None), None)
-        if bad is None:
-            out.append(s)
+        for name in _INT_LABELS:
+            text = labels.get(name)
+            if text is not None and label_int(text) is None:
+                skipped.add(f"series with a {name} label that is not a whole number up to {MAX_RANK}",
+                            _quoted(labels, name))
+                break
         else:
-            skipped.add(f"series with a {bad} label that is not a whole number up to {MAX_RANK}", _quoted(labels, bad))
+            out.append(s)
     return out
 
 
 def source(labels: dict[str, str]) -> Source:
-    return tuple(sorted((k, v) for k, v in labels.items() if k not in _OWN_LABELS))
+    # The set difference first: a series has a few exporter labels among many of its own.
+    return tuple(sorted((k, labels[k]) for k in labels.keys() - _OWN_LABELS))
 
 
 def rank_key(labels: dict[str, str]) -> RankKey | None:

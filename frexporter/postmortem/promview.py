@@ -110,6 +110,10 @@ class Query(enum.Enum):
 
 Answers = Mapping[Query, list[Sample]]  # a query left out is one that returned nothing
 
+# Queries asked only when another one answered: the rates serve the ranking by arrivals alone, and they are a
+# series per rank and PG (an eighth of what an analysis reads).
+ASKED_ONLY_WITH: Mapping[Query, Query] = {Query.PG_RATE: Query.PG_ARRIVAL}
+
 _PG_FIELDS = {Query.PG_ENQUEUED: "enqueued", Query.PG_COMPLETED: "completed", Query.PG_STARTED: "started",
               Query.PG_INFLIGHT: "inflight", Query.PG_OLDEST: "oldest", Query.PG_PROGRESS: "progress",
               Query.PG_WAIT: "wait", Query.PG_ARRIVAL: "arrival"}

@@ -131,12 +131,14 @@ def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report
                   recorded=recorded, skipped_files=skipped_files, skipped_entries=skipped_entries, waits=waits)
 
 
-def from_prometheus(url: str, job_id: str | None, stuck_after: float | None = None) -> Report:
-    """``stuck_after`` None: the exporters' own (the largest ``frexporter_pg_stuck_ceiling_seconds`` they
+def from_prometheus(urls: str | Sequence[str], job_id: str | None, stuck_after: float | None = None) -> Report:
+    """The job as one Prometheus holds it, or several together (the shards of a tiered layout).
+
+    ``stuck_after`` None: the exporters' own (the largest ``frexporter_pg_stuck_ceiling_seconds`` they
     report), so that the learned thresholds and the ceilings decide as in the alert rules; the default
     --stuck-after where no exporter reports one (older exporters). A number caps both."""
     now = time.time()
-    view = prometheus.job_view(url, job_id, now)
+    view = prometheus.job_view(urls, job_id, now)
     ranks = view.ranks
     if stuck_after is None:
         ceilings = [pg.stuck_ceiling_seconds for r in ranks for pg in r.pgs if pg.stuck_ceiling_seconds is not None]
@@ -146,7 +148,8 @@ def from_prometheus(url: str, job_id: str | None, stuck_after: float | None = No
     absent = tuple(v for v in find_absent_in_world(ranks) if not any(
         h.kind == RANK_ABSENT and h.job_id == v.job_id for h in verdicts))
     waits = tuple(waits_in_progress(ranks, now, FindingsConfig(stuck_after, complete_view=True)))
-    return Report(source=url, ranks=ranks, verdicts=(*verdicts, *absent), waits=waits, problems=view.problems,
+    return Report(source=", ".join(prometheus.servers(urls)), ranks=ranks, verdicts=(*verdicts, *absent),
+                  waits=waits, problems=view.problems,
                   skipped_entries=view.skipped_series, stragglers=tuple(wait_ranking(ranks, view.collective_rates)))
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 from unittest import mock
 
+import pytest
+
 from frexporter import naming as n
 from frexporter.analysis.kinds import MISSING_RANK, RANK_ABSENT
 from frexporter.analysis.verdicts import VerdictConfig, evaluate
@@ -123,7 +125,9 @@ def test_job_id_is_quoted_in_promql() -> None:
 
     with mock.patch.object(prometheus, "query", record):
         assert prometheus.rank_states("http://prometheus", 'a"b\\c', NOW) == ()
-    assert len(asked) == len(Query) and all('{job_id="a\\"b\\\\c"}' in q for q in asked), asked
+    # The rates are asked only for arrivals, of which there are none here.
+    assert len(asked) == len(Query) - len(promview.ASKED_ONLY_WITH)
+    assert all('{job_id="a\\"b\\\\c"}' in q for q in asked), asked
 
 
 def test_heartbeat_staleness_is_judged_at_the_scrape() -> None:
@@ -292,3 +296,61 @@ def test_analyze_prometheus_without_activity_series_judges_as_before() -> None:
     changed = analyze(verdict, _rank(n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS, NOW - 3, 2, state="idle"))
     assert next(r for r in changed.ranks if r.rank == 2).activity.frames == ()
     assert [v.ranks for v in changed.verdicts] == [(2,)]
+
+
+# --- several servers (the shards of a tiered layout) ------------------------------------------------------------
+
+
+def _servers(held: dict[str, list[dict[str, Any]]], asked: list[tuple[str, str]]) -> Any:
+    """prometheus.query standing in for several servers: each answers from the samples it holds (``held``, by
+    URL), as _answers reads them, and every (URL, PromQL) asked is recorded in ``asked``."""
+    answers = {url: _answers(samples) for url, samples in held.items()}
+    by_promql = {q.promql('{job_id="j"}'): q for q in Query}
+
+    def query(url: str, promql: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+        asked.append((url, promql))
+        if url not in answers:
+            raise prometheus.PrometheusError(f"{url}: connection refused")
+        return answers[url][by_promql[promql]]
+
+    return mock.patch.object(prometheus, "query", query)
+
+
+def test_analyze_prometheus_judges_a_job_over_every_shard() -> None:
+    # Ranks 0 and 1 (node0, on shard a) wait in collective 8; rank 2 (node1, on shard b) never enqueued it.
+    held = {"http://a": [*_rank_series(0, 8, 7, oldest=NOW - 100), *_rank_series(1, 8, 7, oldest=NOW - 100)],
+            "http://b": _rank_series(2, 7, 7, instance="node1:9400")}
+    asked: list[tuple[str, str]] = []
+    with _servers(held, asked), mock.patch("time.time", return_value=NOW):
+        found = report.from_prometheus(["http://a", "http://b"], "j", stuck_after=30)
+        one = report.from_prometheus("http://a", "j", stuck_after=30)
+    assert [(v.kind, v.ranks) for v in found.verdicts] == [(MISSING_RANK, (2,))], found.verdicts
+    assert sorted(r.rank for r in found.ranks) == [0, 1, 2] and found.source == "http://a, http://b"
+    # Every query (but the rates: no arrivals) went to both servers, the same ones.
+    both = asked[:2 * (len(Query) - 1)]
+    assert sorted(p for u, p in both if u == "http://a") == sorted(p for u, p in both if u == "http://b")
+    assert len({p for _, p in both}) == len(Query) - 1
+    # Shard a alone holds no series of rank 2: it reports nothing there.
+    assert sorted(r.rank for r in one.ranks) == [0, 1]
+    assert (RANK_ABSENT, (2,)) in [(v.kind, v.ranks) for v in one.verdicts], one.verdicts
+
+
+def test_analyze_prometheus_fails_clearly_when_one_shard_does_not_answer() -> None:
+    held = {"http://a": _rank_series(0, 8, 7, oldest=NOW - 100)}
+    with _servers(held, []), pytest.raises(prometheus.PrometheusError, match="http://gone: connection refused"):
+        report.from_prometheus(["http://a", "http://gone"], "j", stuck_after=30)
+
+
+def test_rates_are_asked_only_when_some_rank_reports_arrivals() -> None:
+    samples = _rank_series(0, 8, 8)
+    rate = Query.PG_RATE.promql('{job_id="j"}')
+    asked: list[tuple[str, str]] = []
+    with _servers({"http://a": samples}, asked):
+        prometheus.fetch("http://a", "j")
+    assert rate not in {promql for _, promql in asked} and len(asked) == len(Query) - 1
+    asked.clear()
+    arrivals = [_pg(n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS, NOW - 3, 0)]
+    with _servers({"http://a": [*samples, *arrivals]}, asked):
+        got = prometheus.fetch("http://a", "j")
+    assert [promql for _, promql in asked].count(rate) == 1 and len(asked) == len(Query)
+    assert got[Query.PG_ARRIVAL] and set(got) == set(Query)
