@@ -20,7 +20,8 @@ and timings (``--interval``, ``--scale`` change them).
 
 4. ``frexporter analyze --prometheus`` (in process and as the CLI) over the servers that hold the ranks' series:
    the one Prometheus, or every shard (``--prometheus`` repeated); timed while their rules run and again with
-   every rule paused. Checked: it names exactly the culprit.
+   every rule paused. Checked: it names exactly the culprit. ``--analyze-only`` pauses every rule from the start
+   and runs only the desync and this step: for a size whose rule rounds overrun this machine.
 
 The fleet server is one Python thread of this process; its CPU per round is reported so that the reader sees
 what the simulation costs next to Prometheus. Everything runs on this machine's CPUs, which the report states.
@@ -234,11 +235,18 @@ def desync(watcher: Watcher, fleet: FakeFleet, culprit: int, pg: str, since: flo
 # ---------------------------------------------------------------------------------------- the run
 
 
-def analyze(layout: PromLayout, culprit: int, pg: str) -> dict[str, Any]:
-    """``frexporter analyze --prometheus`` over the servers that hold the ranks' series (the shards, or the one
-    Prometheus), while their rules run and again with every rule paused (a server of its own)."""
-    urls = [s.url for s in (layout.shards or [layout.alerting])]
-    out: dict[str, Any] = {"servers": len(urls), "busy": _time_analyze(urls, culprit, pg)}
+def _raw_servers(layout: PromLayout) -> list[PromServer]:
+    """The servers that hold the ranks' own series: the shards, or the one Prometheus."""
+    return layout.shards or [layout.alerting]
+
+
+def analyze(layout: PromLayout, culprit: int, pg: str, busy: bool = True) -> dict[str, Any]:
+    """``frexporter analyze --prometheus`` over the servers that hold the ranks' series, while their rules run
+    (``busy``) and with every rule paused (as on servers of its own)."""
+    urls = [s.url for s in _raw_servers(layout)]
+    out: dict[str, Any] = {"servers": len(urls)}
+    if busy:
+        out["busy"] = _time_analyze(urls, culprit, pg)
     for server in layout.servers:
         server.reload(PAUSED_INTERVAL)
     try:
@@ -247,6 +255,28 @@ def analyze(layout: PromLayout, culprit: int, pg: str) -> dict[str, Any]:
         for server in layout.servers:
             server.reload()
     return out
+
+
+def analyze_only(layout: PromLayout, fleet: FakeFleet, culprit: int, pg: str, interval: float,
+                 timeout: float) -> dict[str, Any]:
+    """Only the analysis, with every rule paused from the start (a size whose rules overrun this machine): once
+    the servers hold every rank, the desync, then the analysis once its waiters have waited the stuck threshold
+    and been scraped so."""
+    for server in layout.servers:
+        server.reload(PAUSED_INTERVAL)
+    raw = _raw_servers(layout)
+
+    def every_rank() -> bool:
+        held = sum(s.value(f'count(frexporter_rank_up{{job_id="{JOB_ID}"}})') or 0 for s in raw)
+        return held == fleet.topo.world
+
+    watcher = Watcher(layout, poll_s=min(2.0, interval / 4))
+    if not watcher.until(every_rank, time.monotonic() + timeout):
+        raise RuntimeError(f"the servers never held all {fleet.topo.world} ranks")
+    fault = fleet.desync(culprit, pg)
+    waited = fault.at + fleet.stuck_threshold_s + 2 * interval
+    watcher.until(lambda: time.time() > waited, time.monotonic() + fleet.stuck_threshold_s + 3 * interval)
+    return analyze(layout, culprit, pg, busy=False)
 
 
 def _time_analyze(urls: list[str], culprit: int, pg: str) -> dict[str, Any]:
@@ -291,6 +321,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         started = time.time()
         with running(fleet, make) as (layout,):
+            if args.analyze_only:
+                report["analyze"] = analyze_only(layout, fleet, culprit, pg, args.interval, round_timeout)
+                return report
             watcher = Watcher(layout, poll_s=min(2.0, args.interval / 4))
             t1 = time.monotonic()
             if not watcher.until(layout.complete, time.monotonic() + round_timeout):
@@ -329,6 +362,20 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"Measured on this machine: {r['cpus']} CPUs ({r['cpu_affinity']} usable), {r['prometheus']}; scrape and "
           f"evaluation every {r['interval_s']:g} s, rules and fleet thresholds at scale {r['scale']:g} (stuck "
           f"threshold {r['stuck_threshold_s']:g} s). Every Prometheus and the fleet server share these CPUs.")
+    if "together" in r:
+        _print_rules(r)
+    a = r["analyze"]
+    print(f"\n  frexporter analyze --prometheus over {a['servers']} server(s) holding the ranks' series:")
+    for when, label in (("busy", "their rules running"), ("rules_paused", "their rules paused")):
+        if when in a:
+            t = a[when]
+            print(f"    {label}: {t['in_process_s']:.2f} s in process, {t['cli_s']:.2f} s as a CLI; {t['ranks']} "
+                  f"ranks; verdicts {t['verdicts']} -> {'culprit named' if t['correct'] else 'WRONG'}")
+    if r.get("rule_errors"):
+        print(f"  RULE ERRORS: {r['rule_errors']}")
+
+
+def _print_rules(r: dict[str, Any]) -> None:
     print("Rule time: each group's own evaluationTime (/api/v1/rules) per round, mean / max (rounds) after "
           f"{WARMUP_ROUNDS} warm-up round; the groups of one Prometheus run concurrently.")
     t = r["together"]
@@ -361,14 +408,6 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"    first seen (s after the fault): {d['first_seen_s'] or 'nothing'}")
     print(f"    named {d['named']} -> {'exactly the culprit' if d['correct'] else 'WRONG'}; desyncs before the "
           f"fault: {d['false_before_fault'] or 'none'}")
-    a = r["analyze"]
-    print(f"\n  frexporter analyze --prometheus over {a['servers']} server(s) holding the ranks' series:")
-    for when, label in (("busy", "their rules running"), ("rules_paused", "their rules paused")):
-        t = a[when]
-        print(f"    {label}: {t['in_process_s']:.2f} s in process, {t['cli_s']:.2f} s as a CLI; {t['ranks']} ranks; "
-              f"verdicts {t['verdicts']} -> {'culprit named' if t['correct'] else 'WRONG'}")
-    if r["rule_errors"]:
-        print(f"  RULE ERRORS: {r['rule_errors']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="rule timings and fleet thresholds times this")
     parser.add_argument("--alone", action="store_true", help="also time each Prometheus' rules with the others paused")
     parser.add_argument("--desync-timeout", type=float, default=0.0, help="seconds to wait for the alert")
+    parser.add_argument("--analyze-only", action="store_true",
+                        help="rules paused from the start; only time analyze after a desync (a size too large for "
+                             "this machine's rule rounds)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, TSDBs)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -390,9 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=1))
     else:
         print_report(report)
+    analyzed = all(a["correct"] for key, a in report["analyze"].items() if key != "servers")
+    if args.analyze_only:
+        return 0 if analyzed else 1
     d = report["desync"]
-    right = d["correct"] and all(a["correct"] for a in (report["analyze"]["busy"], report["analyze"]["rules_paused"]))
-    return 0 if right and not d["false_before_fault"] and not report["rule_errors"] else 1
+    return 0 if analyzed and d["correct"] and not d["false_before_fault"] and not report["rule_errors"] else 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ group (``tp<node>``), a pipeline group (``pp<i>``: the ranks of one local rank, 
 data-parallel group (``dp<i>``: the ranks of one local rank on the nodes of one stage). Global rank =
 node * 8 + local rank. Healthy, every PG runs 10 collectives per 15 s step (times ``scale``) in lock step, each in
 flight for the first half of its slot, so a scrape catches ranks in flight as it does a real job; heartbeats and the
-poll time are the time of the request. ``desync`` hangs the job the way FrexporterCollectiveDesync describes.
+poll time are the time of the request. ``desync`` hangs the job the way FrexporterCollectiveDesync describes;
+``straggle`` slows one rank down the way FrexporterStraggler describes.
 
 ``PromLayout`` runs Prometheus on that fleet: ``single`` (one Prometheus, the canonical rules) or ``tiered`` (K
 shards, each scraping its ``hashmod`` share of the nodes with the shard tier of the rules and the external label
@@ -74,6 +75,9 @@ ACTIVITY = "frexporter_rank_activity_since_timestamp_seconds"
 NOW_FAMILIES = frozenset({"frexporter_poll_timestamp_seconds", "frexporter_rank_heartbeat_timestamp_seconds",
                           "frexporter_source_last_success_timestamp_seconds"})
 WORLD_SIZE = "frexporter_job_world_size"
+WAIT = "frexporter_rank_collective_wait_seconds"  # not in the template (no --collective-waits): Straggler adds it
+WAIT_S = 0.05  # a healthy rank's mean wait inside a collective (Straggler)
+WAIT_STEP_S = 0.002
 
 
 # ---------------------------------------------------------------------------------------- topology
@@ -317,7 +321,24 @@ class Skew:
         return HEALTHY_STATE, _num(self.t0)
 
 
-State = Healthy | Desync | Skew
+class Straggler(Healthy):
+    """The healthy job with one slow rank: it arrives ``lag`` seconds late at every collective, so every peer in each
+    of its PGs waits that much longer in each (``frexporter_rank_collective_wait_seconds``, the NCCL straggler
+    signal of ``serve --collective-waits``); the rank itself waits what everyone waits in a healthy PG. Waits differ
+    by rank by up to 8 ms (2 ms steps), a spread that names nobody: the alert needs a lag of 5 ms and 4 MADs."""
+
+    def __init__(self, healthy: Healthy, rank: int, lag: float, topo: Topology) -> None:
+        self.t0, self.slot_s = healthy.t0, healthy.slot_s
+        self.rank = rank
+        self.lag = lag
+        self.pgs = frozenset(pg.name for pg in topo.pgs(rank))
+
+    def wait(self, rank: int, pg: Pg) -> str:
+        late = self.lag if pg.name in self.pgs and rank != self.rank else 0.0
+        return _num(round(WAIT_S + WAIT_STEP_S * (rank % 5) + late, 6))
+
+
+State = Healthy | Desync | Skew | Straggler
 
 
 # ---------------------------------------------------------------------------------------- rendering
@@ -346,7 +367,18 @@ class NodeRenderer:
                 continue
             for s in fam.samples:
                 out.extend(self._sample(node, s, state))
+        if isinstance(state, Straggler):
+            out.extend(self._waits(node, state))
         return "".join(out), "".join(flying)
+
+    def _waits(self, node: int, state: Straggler) -> list[str]:
+        lines = [f"# HELP {WAIT} Seconds the rank waits inside this PG's collectives.\n# TYPE {WAIT} gauge\n"]
+        for local in range(RANKS_PER_NODE):
+            rank = node * RANKS_PER_NODE + local
+            for pg in self.topo.pgs(rank):
+                labels = {"job_id": JOB_ID, "pg": pg.name, "pg_desc": pg.desc, "rank": str(rank)}
+                lines.append(_line(WAIT, labels, state.wait(rank, pg)))
+        return lines
 
     def _sample(self, node: int, s: Series, state: State) -> list[str]:
         labels = dict(s.labels)
@@ -552,6 +584,12 @@ class FakeFleet:
         skew = Skew(self._healthy, time.time())
         self._current = (skew, self._render_all(skew))
         return skew
+
+    def straggle(self, rank: int, lag: float) -> Straggler:
+        """From now on, until ``heal``, the healthy job with ``rank`` ``lag`` seconds late (see Straggler)."""
+        slow = Straggler(self._healthy, rank, lag, self.topo)
+        self._current = (slow, self._render_all(slow))
+        return slow
 
     def heal(self) -> None:
         """Back to the healthy job (its seqs where the clock has them)."""

@@ -11,7 +11,9 @@ the tiers to promtool's unit tests; here they run as deployed, with scrapes, fed
 - a shard that goes down in a healthy run never makes the global tier name a culprit;
 - a shard back from an outage never makes a false desync either: until it has scraped a node again it would evaluate
   the node's last samples from before the outage as current (a rank caught in flight then waits for the whole
-  outage); the rules leave out a node last scraped over 45 s ago (scaled), which this test pinned as failing before.
+  outage); the rules leave out a node last scraped over 45 s ago (scaled), which this test pinned as failing before;
+- a straggler is named in its PGs by both layouts, and the tiers never name more than one Prometheus: over
+  shards the PG's median and MAD are bounds that can hide a straggler, never make one (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from frexporter.postmortem import report
 from tests.fleet import (
     FEDERATE_JOB,
     JOB_ID,
@@ -52,6 +55,9 @@ DOWN_SHARD = 1
 HINT = "Debian: apt-get install prometheus"
 DESYNC = "FrexporterCollectiveDesync"
 STALLED = "FrexporterCollectiveStalled"
+STRAGGLER = "FrexporterStraggler"
+# A rank this late at every collective: its peers lose lag x 6.7 collectives a second (scale 0.1) of their time.
+STRAGGLER_LAG_S = 0.3
 POLL_S = 0.2
 READY_TIMEOUT_S = 45.0  # 3-4 Prometheus starting on two cores, then their first scrape (5 s) and federation
 # Past the threshold and "for": a scrape, a shard evaluation, a federation scrape and a global evaluation, and as
@@ -218,3 +224,48 @@ def test_a_shard_back_from_an_outage_never_makes_a_false_desync(prometheus: str,
         tiered.start_shard(DOWN_SHARD)
         hold(lambda: _no_desync(top), alert_for(DESYNC, SCALE) + LAG_S, interval=POLL_S)
         assert ever_alerted(top, DESYNC, started) == []
+
+
+def _stragglers(server: PromServer) -> dict[tuple[str, str], dict[str, str]]:
+    """The firing FrexporterStraggler alerts of the job by (rank, PG): their labels."""
+    return {(a["labels"]["rank"], a["labels"]["pg"]): a["labels"]
+            for a in server.alerts(alertname=STRAGGLER, job_id=JOB_ID) if a["state"] == "firing"}
+
+
+def test_a_straggler_is_named_by_both_layouts_and_the_tiers_never_name_more(prometheus: str, tmp_path: Path) -> None:
+    fleet = FakeFleet(NODES, pp=PP, scale=SCALE)
+    topo = fleet.topo
+    # A rank whose DP group spans both shards with most of its peers on the other one (as the desync's culprit
+    # above): its own shard's median of that group is near its own wait, where the tiers' bounds are widest.
+    slow, _ = cross_shard_desync(topo, SHARDS)
+    # Its PGs of 3 ranks or more, which the alert judges: WORLD, its TP group (one node: one shard) and its DP group.
+    judged = {pg.name: pg.desc for pg in topo.pgs(slow) if len(topo.members(pg.name)) >= 3}
+    assert sorted(judged.values()) == ["default_pg", "dp", "tp"], judged
+    with running(fleet, layout_factory("tiered", fleet, tmp_path / "tiered", SHARDS, INTERVAL_S, SCALE),
+                 layout_factory("single", fleet, tmp_path / "single", SHARDS, INTERVAL_S, SCALE)) as (tiered, single):
+        for layout in (tiered, single):
+            layout.wait_complete(READY_TIMEOUT_S)
+        started = time.time()
+        fleet.straggle(slow, STRAGGLER_LAG_S)
+        expected = {(str(slow), pg) for pg in judged}
+
+        def named() -> tuple[dict[tuple[str, str], dict[str, str]], dict[tuple[str, str], dict[str, str]]]:
+            one, tiers = _stragglers(single.alerting), _stragglers(tiered.alerting)
+            assert set(one) == expected, sorted(one)
+            assert {(str(slow), pg) for pg, desc in judged.items() if desc != "dp"} <= set(tiers), sorted(tiers)
+            return one, tiers
+
+        # The rate of collectives the loss ratio needs (two evaluations of the PG's seq), "for", federation.
+        one, tiers = wait_for(named, timeout=alert_for(STRAGGLER, SCALE) + 3 * LAG_S, interval=POLL_S,
+                              what=f"{STRAGGLER} for rank {slow} on both layouts")
+        # The same alert where both name it, and the tiers never name more (another rank, or another PG).
+        assert set(tiers) <= set(one), sorted(tiers)
+        assert all(tiers[key] == one[key] for key in tiers), (tiers, one)
+        for layout in (single, tiered):
+            assert {a.get("rank") for a in ever_alerted(layout.alerting, STRAGGLER, started)} == {str(slow)}
+            assert not [e for server in layout.servers for e in _rule_errors(server)]
+        # Where the tiers' bounds hide it (its DP group, a few members on each shard), `frexporter analyze` over
+        # every shard ranks it exactly: the ranks' own series, one median over all of them.
+        found = report.from_prometheus([shard.url for shard in tiered.shards], JOB_ID)
+        stragglers = {(str(w.rank), w.pg) for w in found.stragglers if w.straggler}
+        assert stragglers == expected, sorted(stragglers)
