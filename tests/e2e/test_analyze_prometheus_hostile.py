@@ -85,8 +85,9 @@ def test_a_server_that_drips_fails_the_query_at_its_deadline(where: str) -> None
 
 
 def test_analyze_gives_up_when_all_its_queries_take_longer_than_its_deadline() -> None:
-    # Each answer is complete and valid, and comes 0.4 s late: 19 queries would take 8 s.
-    with serving(answer(vector([]), pause=0.4)) as url, \
+    # Each answer is complete and valid, and comes 0.8 s late, within one query's deadline: 21 queries, asked
+    # QUERIES_IN_FLIGHT (4) at a time, take 4.8 s.
+    with serving(answer(vector([]), pause=0.8)) as url, \
             mock.patch.object(prometheus, "ANALYZE_TIMEOUT_SECONDS", DEADLINE_S):
         error, _ = within(DEADLINE_S + MARGIN_S, lambda: report.from_prometheus(url, "j"))
     assert isinstance(error, prometheus.PrometheusError), error
