@@ -386,7 +386,7 @@ def run(nodes: int, history: float, margin: float, repeats: int, keep: bool) -> 
         report["evaluated_at"] = at
         # analyze reads the live series at the wall-clock time, so it goes first; the rules are then
         # evaluated at the fixed time ``at`` through the API's time parameter, however long they take.
-        report["analyze"] = time_analyze(base, sc)
+        report["analyze"] = time_analyze([base], JOB, [("missing_rank", LAGGING_PG, [sc.culprit])], 60.0)
         if time.time() > sc.end:
             raise RuntimeError("analyze ran past the simulated data: rerun with a larger --margin")
         report["series_in_prometheus"] = int(float(
@@ -550,22 +550,31 @@ def _expected_alert(name: str, at: float, sc: Scenario) -> list[tuple[str, str]]
     return []
 
 
-def time_analyze(base: str, sc: Scenario) -> dict[str, Any]:
+def time_analyze(urls: list[str], job: str, expected: list[tuple[str, str, list[int]]],
+                 stuck_after: float | None = None) -> dict[str, Any]:
+    """``frexporter analyze --prometheus`` over ``urls`` as a CLI, then in this process
+    (``report.from_prometheus``): wall times, verdicts, and whether both are exactly ``expected`` (kind, PG,
+    ranks). The CLI first: the in-process analysis holds this process's GIL, which a simulation serving scrapes
+    from a thread of it (benchmarks/scale_live.py) needs; at 32,768 ranks the scrapes it delays time out."""
     from frexporter.postmortem import report as analysis_report
 
+    argv = [sys.executable, "-m", "frexporter", "analyze", "--job-id", job, "--json"]
+    for url in urls:
+        argv += ["--prometheus", url]
+    if stuck_after is not None:
+        argv += ["--stuck-after", f"{stuck_after:g}"]
     t0 = time.perf_counter()
-    rep = analysis_report.from_prometheus(base, JOB, 60.0)
-    in_process = time.perf_counter() - t0
-    named = [(v.kind, v.pg, list(v.ranks)) for v in rep.verdicts]
-    t0 = time.perf_counter()
-    cli = subprocess.run([sys.executable, "-m", "frexporter", "analyze", "--prometheus", base, "--job-id", JOB,
-                          "--json"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    cli = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
                          timeout=1800)
     cli_s = time.perf_counter() - t0
-    cli_named = [(v["kind"], v["pg"], v["ranks"]) for v in json.loads(cli.stdout or "[]")]
+    cli_named = sorted((v["kind"], v["pg"], v["ranks"]) for v in json.loads(cli.stdout or "[]"))
+    t0 = time.perf_counter()
+    rep = analysis_report.from_prometheus(urls, job, stuck_after)
+    in_process = time.perf_counter() - t0
+    named = sorted((v.kind, v.pg, list(v.ranks)) for v in rep.verdicts)
     return {"in_process_s": round(in_process, 2), "cli_s": round(cli_s, 2), "ranks_seen": len(rep.ranks),
-            "verdicts": named[:5], "cli_verdicts": cli_named[:5],
-            "correct": named == [("missing_rank", LAGGING_PG, [sc.culprit])] and cli_named == named}
+            "verdicts": named[:5], "cli_verdicts": cli_named[:5], "cli_error": cli.stderr[-500:] if cli.returncode
+            else "", "correct": named == expected and cli_named == named}
 
 
 # ---------------------------------------------------------------------------------------- report

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scale import REPO, real_exposition
+from benchmarks.scale import real_exposition, time_analyze
 from tests.fleet import (
     JOB_ID,
     RANKS_PER_NODE,
@@ -244,13 +244,14 @@ def analyze(layout: PromLayout, culprit: int, pg: str, busy: bool = True) -> dic
     """``frexporter analyze --prometheus`` over the servers that hold the ranks' series, while their rules run
     (``busy``) and with every rule paused (as on servers of its own)."""
     urls = [s.url for s in _raw_servers(layout)]
+    expected = [("missing_rank", pg, [culprit])]
     out: dict[str, Any] = {"servers": len(urls)}
     if busy:
-        out["busy"] = _time_analyze(urls, culprit, pg)
+        out["busy"] = time_analyze(urls, JOB_ID, expected)
     for server in layout.servers:
         server.reload(PAUSED_INTERVAL)
     try:
-        out["rules_paused"] = _time_analyze(urls, culprit, pg)
+        out["rules_paused"] = time_analyze(urls, JOB_ID, expected)
     finally:
         for server in layout.servers:
             server.reload()
@@ -277,27 +278,6 @@ def analyze_only(layout: PromLayout, fleet: FakeFleet, culprit: int, pg: str, in
     waited = fault.at + fleet.stuck_threshold_s + 2 * interval
     watcher.until(lambda: time.time() > waited, time.monotonic() + fleet.stuck_threshold_s + 3 * interval)
     return analyze(layout, culprit, pg, busy=False)
-
-
-def _time_analyze(urls: list[str], culprit: int, pg: str) -> dict[str, Any]:
-    from frexporter.postmortem import report as analysis_report
-
-    # The CLI first, the figure to quote: the in-process analysis holds the GIL that the fleet's server thread
-    # needs, and at 32,768 ranks the scrapes it delays time out, so that nodes read as gone afterwards.
-    argv = [sys.executable, "-m", "frexporter", "analyze", "--job-id", JOB_ID, "--json"]
-    for url in urls:
-        argv += ["--prometheus", url]
-    started = time.perf_counter()
-    cli = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
-    cli_s = time.perf_counter() - started
-    cli_hangs = sorted((v["kind"], v["pg"], v["ranks"]) for v in json.loads(cli.stdout or "[]"))
-    started = time.perf_counter()
-    found = analysis_report.from_prometheus(urls, JOB_ID)
-    in_process = time.perf_counter() - started
-    hangs = sorted((v.kind, v.pg, list(v.ranks)) for v in found.verdicts)
-    return {"in_process_s": round(in_process, 2), "cli_s": round(cli_s, 2), "ranks": len(found.ranks),
-            "verdicts": hangs, "cli_verdicts": cli_hangs, "cli_error": cli.stderr[-500:] if cli.returncode else "",
-            "correct": cli_hangs == [("missing_rank", pg, [culprit])] and hangs == cli_hangs}
 
 
 def prometheus_version() -> str:
@@ -372,7 +352,7 @@ def print_report(r: dict[str, Any]) -> None:
     for when, label in (("busy", "their rules running"), ("rules_paused", "their rules paused")):
         if when in a:
             t = a[when]
-            print(f"    {label}: {t['in_process_s']:.2f} s in process, {t['cli_s']:.2f} s as a CLI; {t['ranks']} "
+            print(f"    {label}: {t['in_process_s']:.2f} s in process, {t['cli_s']:.2f} s as a CLI; {t['ranks_seen']} "
                   f"ranks; verdicts {t['verdicts']} -> {'culprit named' if t['correct'] else 'WRONG'}")
     if r.get("rule_errors"):
         print(f"  RULE ERRORS: {r['rule_errors']}")
