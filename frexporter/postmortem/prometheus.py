@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,17 +29,22 @@ from frexporter.postmortem.promclient import (
 from frexporter.postmortem.promseries import Sample
 from frexporter.postmortem.promview import (
     ASKED_ONLY_WITH,
+    LATER,
     MAX_EXPANDED_MEMBERS,
     MAX_WORLD_SIZE,
+    OF_ACTIVE_PGS,
     STALE_HEARTBEAT_SECONDS,
     JobView,
     Query,
+    pg_keys,
     rebuild,
+    scrape_times_needed,
 )
 
 __all__ = [
     "ANALYZE_TIMEOUT_SECONDS",
     "MAX_EXPANDED_MEMBERS",
+    "MAX_NAMED_PGS",
     "MAX_RESPONSE_BYTES",
     "MAX_SERIES",
     "MAX_WORLD_SIZE",
@@ -67,12 +72,35 @@ ANALYZE_TIMEOUT_SECONDS = 120.0
 QUERIES_IN_FLIGHT = 4
 
 
-def _selector(job_id: str | None) -> str:
-    if not job_id:
-        return "{}"
+# The most active PGs whose ranks' series are asked by name (a regular expression of their names in each query of
+# OF_ACTIVE_PGS), and the longest that expression may be: past either, every PG's are asked (a hang that spread
+# into every PG reads as much as before, and the query stays a short GET).
+MAX_NAMED_PGS = 1024
+MAX_NAMED_PG_CHARS = 32 << 10
+_RE2_SPECIAL = frozenset("\\.+*?()|[]{}^$")
+
+
+def _selector(job_id: str | None, pgs: Collection[str] = ()) -> str:
+    """The job's series (all jobs' when ``job_id`` is None), of the PGs ``pgs`` names when it names any."""
     # PromQL strings take Go's escapes, of which JSON's are a subset; a job id with a quote or a
     # backslash would otherwise end the string early (a parse error) or select another job.
-    return "{" + f"{n.L_JOB_ID}={json.dumps(job_id, ensure_ascii=False)}" + "}"
+    matchers = [f"{n.L_JOB_ID}={json.dumps(job_id, ensure_ascii=False)}"] if job_id else []
+    if pgs:
+        matchers.append(f"{n.L_PG}=~{json.dumps(_alternatives(pgs), ensure_ascii=False)}")
+    return "{" + ", ".join(matchers) + "}"
+
+
+def _alternatives(names: Collection[str]) -> str:
+    """A regular expression (RE2, anchored by Prometheus) that matches exactly ``names``."""
+    return "|".join("".join("\\" + c if c in _RE2_SPECIAL else c for c in name) for name in sorted(names))
+
+
+def _named_pgs(active: set[tuple[str, str]]) -> list[str] | None:
+    """The names the per-rank queries select, or None for every PG (too many, or too long to name)."""
+    names = sorted({pg for _, pg in active})
+    if len(names) > MAX_NAMED_PGS or len(_alternatives(names)) > MAX_NAMED_PG_CHARS:
+        return None
+    return names
 
 
 @dataclass
@@ -106,27 +134,36 @@ def servers(base_urls: str | Sequence[str]) -> tuple[str, ...]:
     return (base_urls,) if isinstance(base_urls, str) else tuple(base_urls)
 
 
-def fetch(base_urls: str | Sequence[str], job_id: str | None, timeout: float | None = None,
+def fetch(base_urls: str | Sequence[str], job_id: str | None, timeout: float | None = None, narrow: bool = True,
           ) -> dict[Query, list[Sample]]:
     """The answer to every query of ``Query`` about the job (all jobs when ``job_id`` is None), as the servers
     sent it (parsed, bounded, not yet screened): each query's answers from every server of ``base_urls``, one
     after another in their order (a rank that two servers hold is two exporters' series, as one server with two
     exporters of it: the rebuild picks one); a query of ASKED_ONLY_WITH only where its prerequisite answered
-    (else none). Up to QUERIES_IN_FLIGHT queries at once. All queries together take at most ``timeout``
-    seconds (None: ANALYZE_TIMEOUT_SECONDS), each at most QUERY_TIMEOUT_SECONDS; PrometheusError past
-    either, or from the first server that fails."""
+    (else none). The queries of OF_ACTIVE_PGS are asked after the others, of the PGs that Query.PG_ACTIVE finds
+    active (none when it finds none; every PG past MAX_NAMED_PGS), or of every PG when ``narrow`` is False;
+    Query.SCRAPED only when an exporter reports no poll time. Up to QUERIES_IN_FLIGHT queries at once. All
+    queries together take at most ``timeout`` seconds (None: ANALYZE_TIMEOUT_SECONDS), each at most
+    QUERY_TIMEOUT_SECONDS; PrometheusError past either, or from the first server that fails."""
     urls = servers(base_urls)
     ask = _Asker(ANALYZE_TIMEOUT_SECONDS if timeout is None else timeout)
-    sel = _selector(job_id)
     pool = ThreadPoolExecutor(max_workers=QUERIES_IN_FLIGHT, thread_name_prefix="frexporter-analyze")
 
-    def answers(queries: list[Query]) -> dict[Query, list[Sample]]:
-        asked = {(q, url): pool.submit(ask, url, q.promql(sel)) for q in queries for url in urls}
+    def answers(queries: dict[Query, str]) -> dict[Query, list[Sample]]:
+        asked = {(q, url): pool.submit(ask, url, q.promql(sel)) for q, sel in queries.items() for url in urls}
         return {q: [s for url in urls for s in asked[(q, url)].result()] for q in queries}
 
     try:
-        got = answers([q for q in Query if q not in ASKED_ONLY_WITH])
-        got.update(answers([q for q, needed in ASKED_ONLY_WITH.items() if got[needed]]))
+        # The ranks and nodes first, and which PGs are active; then the series of those PGs only.
+        everything = _selector(job_id)
+        got = answers(dict.fromkeys((q for q in Query if q not in LATER), everything))
+        active = pg_keys(got[Query.PG_ACTIVE], active=True)
+        later = dict.fromkeys([Query.SCRAPED] if scrape_times_needed(got) else [], everything)
+        if active or not narrow:
+            named = _named_pgs(active) if narrow else None
+            later.update(dict.fromkeys(OF_ACTIVE_PGS - ASKED_ONLY_WITH.keys(), _selector(job_id, named or ())))
+        got.update(answers(later))
+        got.update(answers({q: later[needed] for q, needed in ASKED_ONLY_WITH.items() if got.get(needed)}))
         return {q: got.get(q, []) for q in Query}
     finally:
         # On a failure the queries not yet sent are dropped; those in flight end by the deadline.
@@ -134,10 +171,11 @@ def fetch(base_urls: str | Sequence[str], job_id: str | None, timeout: float | N
 
 
 def job_view(base_urls: str | Sequence[str], job_id: str | None, now: float,
-             stale_after: float = STALE_HEARTBEAT_SECONDS, timeout: float | None = None) -> JobView:
+             stale_after: float = STALE_HEARTBEAT_SECONDS, timeout: float | None = None, narrow: bool = True,
+             ) -> JobView:
     """Every rank of the job (all jobs when ``job_id`` is None) as of the latest scrapes: fetch, then
     promview.rebuild (which says how ranks and staleness are judged)."""
-    return rebuild(fetch(base_urls, job_id, timeout), now, stale_after)
+    return rebuild(fetch(base_urls, job_id, timeout, narrow), now, stale_after)
 
 
 def rank_states(base_urls: str | Sequence[str], job_id: str | None, now: float,

@@ -102,8 +102,10 @@ def screened(samples: list[Sample], skipped: Skipped) -> list[Sample]:
 
 
 def source(labels: dict[str, str]) -> Source:
-    # The set difference first: a series has a few exporter labels among many of its own.
-    return tuple(sorted((k, labels[k]) for k in labels.keys() - _OWN_LABELS))
+    # The set difference first: a series has a few exporter labels among many of its own; zip and map keep the
+    # rest in C (called for every series of a rank: 200,000 times at 32,768 ranks).
+    names = sorted(labels.keys() - _OWN_LABELS)
+    return tuple(zip(names, map(labels.__getitem__, names), strict=True))
 
 
 def rank_key(labels: dict[str, str]) -> RankKey | None:

@@ -55,9 +55,18 @@ _PLAIN = "{metric}{sel}"
 _ONE_GRID_BACK = "{metric}{sel} offset 15s"
 # Collectives a second over the rules' window: how far apart the blocks of arrivals are.
 _RATE = "rate({metric}{sel}[1m])"
-_BUSY_HOLD = f"max_over_time({{metric}}{{sel}}[{BUSY_HOLD_SECONDS:.0f}s])"
-# Per exporter (no job_id label): those that report one of the job's ranks.
-_OF_THE_JOB = f" and on (job, instance) {n.RANK_UP}{{sel}}"
+# Only the busy state's series: the rest say nothing of a busy hold (a rank's other states, an idle fleet's).
+_BUSY_HOLD = f"max_over_time({{metric}}{{busy_sel}}[{BUSY_HOLD_SECONDS:.0f}s])"
+_BY_PG = f"{n.L_JOB_ID}, {n.L_PG}"
+# A PG fact each node exports (a series per node and PG, as many as the node's ranks' PGs): the rebuild keeps the
+# shortest positive one of each PG, which the server computes instead of sending every node's.
+_SHORTEST = f"min by ({_BY_PG}) ({{metric}}{{sel}} > 0)"
+# Every PG a rank reports, a series each, valued by its signs of activity (OF_ACTIVE_PGS): its ranks' in-flight
+# starts, waits or arrivals where it has any, else its ranks with a collective in flight (0: idle).
+_ACTIVITY_SIGNS = " or ".join([*(f"count by ({_BY_PG}) ({sign})" for sign in (
+    f"{n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS}{{sel}}", f"{n.RANK_COLLECTIVE_WAIT_SECONDS}{{sel}}",
+    f"{n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS}{{sel}} offset 15s")),
+    f"sum by ({_BY_PG}) ({{metric}}{{sel}} > bool 0)"])
 
 
 class Query(enum.Enum):
@@ -67,22 +76,27 @@ class Query(enum.Enum):
     UP = (n.RANK_UP, _PLAIN)
     HEARTBEAT = (n.RANK_HEARTBEAT_TIMESTAMP_SECONDS, _PLAIN)
     # When each heartbeat was scraped (Prometheus' clock): staleness is judged there, not at the query time, for
-    # exporters without the poll series below (older ones).
+    # exporters without the poll series below (older ones; asked only when one reports, see LATER).
     SCRAPED = (n.RANK_HEARTBEAT_TIMESTAMP_SECONDS, "timestamp({metric}{sel})")
     # Each exporter's node clock at the poll its last scrape shows: a heartbeat's staleness is judged there, on
-    # the node's own clock.
-    POLL = (n.POLL_TIMESTAMP_SECONDS, "{metric}" + _OF_THE_JOB)
+    # the node's own clock. Every exporter's (the series has no job_id; one per node), used for those of the job.
+    POLL = (n.POLL_TIMESTAMP_SECONDS, "{metric}")
     # And that clock now (the poll's, plus the time since the scrape on Prometheus' clock), as the rules take it:
     # every timestamp of the node is moved onto the caller's clock by the difference, so that no node's clock
     # offset (nor the caller's) ages anything.
-    NODE_NOW = (n.POLL_TIMESTAMP_SECONDS, "({metric} + time() - timestamp({metric}))" + _OF_THE_JOB)
+    NODE_NOW = (n.POLL_TIMESTAMP_SECONDS, "{metric} + time() - timestamp({metric})")
     INFO = (n.RANK_INFO, _PLAIN)
-    PG_INFO = (n.PG_INFO, _PLAIN)
-    PG_TIMEOUT = (n.PG_TIMEOUT_SECONDS, _PLAIN)
+    # Each PG's sizes as the nodes report them (the rebuild takes the largest).
+    PG_INFO = (n.PG_INFO, f"group by ({_BY_PG}, {n.L_SIZE}) ({{metric}}{{sel}})")
+    PG_TIMEOUT = (n.PG_TIMEOUT_SECONDS, _SHORTEST)
     # The exporters' learned stuck thresholds (absent from older ones: the caller's fixed one applies).
-    PG_STUCK_THRESHOLD = (n.PG_STUCK_THRESHOLD_SECONDS, _PLAIN)
+    PG_STUCK_THRESHOLD = (n.PG_STUCK_THRESHOLD_SECONDS, _SHORTEST)
     # And their ceilings (--stuck-after), the threshold of a wait on busy culprits (absent from older ones too).
-    PG_STUCK_CEILING = (n.PG_STUCK_CEILING_SECONDS, _PLAIN)
+    PG_STUCK_CEILING = (n.PG_STUCK_CEILING_SECONDS, _SHORTEST)
+    # The largest of the PGs' ceilings (--stuck-after of analyze when not given), over every PG of the job.
+    JOB_STUCK_CEILING = (n.PG_STUCK_CEILING_SECONDS, f"max by ({n.L_JOB_ID}) ({_SHORTEST})")
+    # Every PG and whether it is active: those whose series OF_ACTIVE_PGS reads.
+    PG_ACTIVE = (n.PG_INFLIGHT_COLLECTIVES, _ACTIVITY_SIGNS)
     PG_ENQUEUED = (n.PG_LAST_ENQUEUED_SEQ, _PLAIN)
     PG_COMPLETED = (n.PG_LAST_COMPLETED_SEQ, _PLAIN)
     PG_STARTED = (n.PG_LAST_STARTED_SEQ, _PLAIN)
@@ -105,7 +119,9 @@ class Query(enum.Enum):
         self.form = form
 
     def promql(self, selector: str) -> str:
-        return self.form.format(metric=self.metric, sel=selector)
+        busy = f'{n.L_STATE}="{ACTIVITY_BUSY}"'
+        return self.form.format(metric=self.metric, sel=selector,
+                                busy_sel="{" + ", ".join(m for m in (selector[1:-1], busy) if m) + "}")
 
 
 Answers = Mapping[Query, list[Sample]]  # a query left out is one that returned nothing
@@ -113,6 +129,22 @@ Answers = Mapping[Query, list[Sample]]  # a query left out is one that returned 
 # Queries asked only when another one answered: the rates serve the ranking by arrivals alone, and they are a
 # series per rank and PG (an eighth of what an analysis reads).
 ASKED_ONLY_WITH: Mapping[Query, Query] = {Query.PG_RATE: Query.PG_ARRIVAL}
+
+# The queries of a PG's series (per rank and PG: most of what an analysis reads, 6 of a rank's 8 at 4 PGs; per node
+# and PG: 4 more), asked only of the PGs PG_ACTIVE finds active when they are few (prometheus.fetch). A PG is
+# active when one of its ranks has a collective in flight (a count above 0, or an in-flight start) or reports
+# collective waits or arrivals. Every hang verdict needs a collective in flight (a wait, a stall, a budget, an
+# absent member waited on) and the straggler ranking needs waits or arrivals, so an idle PG (every member's
+# collectives completed) gives nothing to judge and only PG_ACTIVE counts it.
+OF_ACTIVE_PGS = frozenset({Query.PG_INFO, Query.PG_TIMEOUT, Query.PG_STUCK_THRESHOLD, Query.PG_STUCK_CEILING,
+                           Query.PG_ENQUEUED, Query.PG_COMPLETED, Query.PG_STARTED, Query.PG_INFLIGHT,
+                           Query.PG_OLDEST, Query.PG_PROGRESS, Query.PG_WAIT, Query.PG_ARRIVAL, Query.PG_RATE})
+# Asked after the others, only when their answers call for them: OF_ACTIVE_PGS, and SCRAPED (scrape_times_needed).
+LATER = OF_ACTIVE_PGS | {Query.SCRAPED}
+
+# Answers whose series another query's answers hold and count: PG_RATE's are PG_ENQUEUED's, PG_ACTIVE's and
+# JOB_STUCK_CEILING's aggregate others'.
+_NOT_COUNTED = frozenset({Query.PG_RATE, Query.PG_ACTIVE, Query.JOB_STUCK_CEILING})
 
 _PG_FIELDS = {Query.PG_ENQUEUED: "enqueued", Query.PG_COMPLETED: "completed", Query.PG_STARTED: "started",
               Query.PG_INFLIGHT: "inflight", Query.PG_OLDEST: "oldest", Query.PG_PROGRESS: "progress",
@@ -134,6 +166,25 @@ class JobView:
     # Each rank's collectives a second in each PG (rate over the rules' window), for the straggler ranking by
     # arrivals: PGState has no rate, a single scrape cannot give one.
     collective_rates: Mapping[RankPGKey, float] = field(default_factory=dict)
+    # PGs the ranks report (Query.PG_ACTIVE) that no rank's PGState holds: the idle ones, whose series were not
+    # read (OF_ACTIVE_PGS), and any whose ranks report no seqs.
+    unread_pgs: frozenset[PGKey] = frozenset()
+    # The largest stuck ceiling of any PG (None: no node reports one).
+    stuck_ceiling: float | None = None
+
+
+def pg_keys(samples: list[Sample], active: bool = False) -> set[PGKey]:
+    """The (job id, PG) of each sample that has both labels; ``active``: of those valued above 0 (the answers of
+    Query.PG_ACTIVE: the active PGs)."""
+    return {(job, pg) for s in samples
+            if (job := s["metric"].get(n.L_JOB_ID)) is not None and (pg := s["metric"].get(n.L_PG)) is not None
+            and (not active or (ps.value(s) or 0) > 0)}
+
+
+def scrape_times_needed(answers: Answers) -> bool:
+    """Whether an exporter of a heartbeat reports no poll time (an older one): Query.SCRAPED dates its heartbeats."""
+    polled = {ps.source(s["metric"]) for s in answers.get(Query.POLL, ())}
+    return any(ps.source(s["metric"]) not in polled for s in answers.get(Query.HEARTBEAT, ()))
 
 
 def rebuild(answers: Answers, now: float, stale_after: float = STALE_HEARTBEAT_SECONDS) -> JobView:
@@ -152,8 +203,9 @@ def rebuild(answers: Answers, now: float, stale_after: float = STALE_HEARTBEAT_S
     are the ones the node's own clock gives, whatever its offset; an older exporter's are taken as they are.
     """
     skipped = ps.Skipped()
-    # The rates' series are PG_ENQUEUED's, screened and counted there: one left out here is not counted again.
-    got = {q: ps.screened(answers.get(q, []), ps.Skipped() if q is Query.PG_RATE else skipped) for q in Query}
+    # A series left out of _NOT_COUNTED's answers is counted where it is read.
+    got = {q: ps.screened(answers.get(q, []), ps.Skipped() if q in _NOT_COUNTED else skipped)
+           for q in Query}
     up, heartbeat, scraped, info = (ps.by_source(got[q]) for q in (Query.UP, Query.HEARTBEAT, Query.SCRAPED,
                                                                      Query.INFO))
     polls = _per_exporter(got[Query.POLL])
@@ -167,6 +219,8 @@ def rebuild(answers: Answers, now: float, stale_after: float = STALE_HEARTBEAT_S
     pg_series = _pg_series(pg_samples, chosen, skipped, offsets)
     members, unexpanded = _members(pg_series, got[Query.PG_INFO], {key: pick(info, key) for key in chosen}, skipped)
     by_rank = _pg_states(pg_series, members, got)
+    judged = {(job, pg.name) for (job, _), pgs in by_rank.items() for pg in pgs}
+    ceilings = [v for s in got[Query.JOB_STUCK_CEILING] if (v := ps.value(s)) is not None and v > 0]
     culprits = _culprit_activities(got[Query.VERDICT])
     activity = ps.newest_state(got[Query.ACTIVITY])
     busy_lately = {key for s in got[Query.BUSY_LATELY]
@@ -191,7 +245,9 @@ def rebuild(answers: Answers, now: float, stale_after: float = STALE_HEARTBEAT_S
                                offset),
         ))
     return JobView(ranks=tuple(out), problems=skipped.lines(), skipped_series=skipped.series,
-                   collective_rates=_rates(got[Query.PG_RATE], chosen))
+                   collective_rates=_rates(got[Query.PG_RATE], chosen),
+                   unread_pgs=frozenset(pg_keys(got[Query.PG_ACTIVE]) - judged),
+                   stuck_ceiling=max(ceilings, default=None))
 
 
 def _chosen(up: ByRank, heartbeat: ByRank, info: ByRank, pg_samples: list[tuple[str, Sample]],

@@ -47,6 +47,8 @@ class Report:
     # (NCCL) or arrivals (gloo), last arriver first, as the PG dashboard's and FrexporterStraggler's recording
     # rules rank them.
     stragglers: tuple[WaitLag, ...] = ()
+    # PGs known only by their size and timeouts (analyze --prometheus): idle ones, whose ranks' series were not read.
+    unread_pgs: int = 0
 
 
 def _bundle_file(name: str) -> bool:
@@ -131,18 +133,19 @@ def from_dir(directory: str, stuck_after: float, job_id: str = "dump") -> Report
                   recorded=recorded, skipped_files=skipped_files, skipped_entries=skipped_entries, waits=waits)
 
 
-def from_prometheus(urls: str | Sequence[str], job_id: str | None, stuck_after: float | None = None) -> Report:
+def from_prometheus(urls: str | Sequence[str], job_id: str | None, stuck_after: float | None = None,
+                    narrow: bool = True) -> Report:
     """The job as one Prometheus holds it, or several together (the shards of a tiered layout).
 
     ``stuck_after`` None: the exporters' own (the largest ``frexporter_pg_stuck_ceiling_seconds`` they
     report), so that the learned thresholds and the ceilings decide as in the alert rules; the default
-    --stuck-after where no exporter reports one (older exporters). A number caps both."""
+    --stuck-after where no exporter reports one (older exporters). A number caps both. ``narrow``: read the
+    ranks' series of the active PGs only (prometheus.fetch), which judges alike; False reads every PG's."""
     now = time.time()
-    view = prometheus.job_view(urls, job_id, now)
+    view = prometheus.job_view(urls, job_id, now, narrow=narrow)
     ranks = view.ranks
     if stuck_after is None:
-        ceilings = [pg.stuck_ceiling_seconds for r in ranks for pg in r.pgs if pg.stuck_ceiling_seconds is not None]
-        stuck_after = max(ceilings, default=defaults.STUCK_AFTER)
+        stuck_after = defaults.STUCK_AFTER if view.stuck_ceiling is None else view.stuck_ceiling
     verdicts = evaluate(ranks, now, VerdictConfig(stuck_after=stuck_after, complete_view=True))
     # Every node's ranks are in the view: a rank below the world size without any series is absent.
     absent = tuple(v for v in find_absent_in_world(ranks) if not any(
@@ -150,7 +153,8 @@ def from_prometheus(urls: str | Sequence[str], job_id: str | None, stuck_after: 
     waits = tuple(waits_in_progress(ranks, now, FindingsConfig(stuck_after, complete_view=True)))
     return Report(source=", ".join(prometheus.servers(urls)), ranks=ranks, verdicts=(*verdicts, *absent),
                   waits=waits, problems=view.problems,
-                  skipped_entries=view.skipped_series, stragglers=tuple(wait_ranking(ranks, view.collective_rates)))
+                  skipped_entries=view.skipped_series, stragglers=tuple(wait_ranking(ranks, view.collective_rates)),
+                  unread_pgs=len(view.unread_pgs))
 
 
 def _count(count: int, singular: str, plural: str) -> str:
@@ -161,8 +165,9 @@ def render_text(report: Report) -> str:
     """Hangs first (the reason to look), then past mismatches, then lagging ranks."""
     lines = []
     pgs = {(r.job_id, pg.name, pg.ranks) for r in report.ranks for pg in r.pgs}
+    idle = f" ({report.unread_pgs} idle: nothing in flight, not read rank by rank)" if report.unread_pgs else ""
     lines.append(f"{report.source}: {_count(len(report.ranks), 'rank', 'ranks')}, "
-                 f"{_count(len(pgs), 'process group', 'process groups')}")
+                 f"{_count(len(pgs) + report.unread_pgs, 'process group', 'process groups')}{idle}")
     if report.problems:
         counted = [_count(report.skipped_files, "file", "files")] if report.skipped_files else []
         if report.skipped_entries:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -25,12 +26,15 @@ from unittest import mock
 
 import pytest
 
+from frexporter import naming as n
 from frexporter.analysis.kinds import RANK_ABSENT
 from frexporter.postmortem import prometheus, report
+from frexporter.postmortem.promview import Query
 from tests.shared.analyze_prometheus_hostile import (
     DEADLINE_S,
     JSON_HEAD,
     MARGIN_S,
+    NOW,
     Responder,
     analyze_fake,
     answer,
@@ -52,15 +56,23 @@ CHILD_TIMEOUT_S = 60.0
 PACKAGE_ROOT = str(Path(prometheus.__file__).resolve().parents[2])
 
 
-def _metric_name(promql: str) -> str:
-    return promql.removeprefix("timestamp(").removeprefix("max_over_time(").split("{")[0]
+_ACTIVE = Query.PG_ACTIVE.promql("{}").split("{")[0]
+_ACTIVE_SIGNS = {n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, n.RANK_COLLECTIVE_WAIT_SECONDS,
+                 n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS}
 
 
 def by_metric(samples: list[dict[str, Any]]) -> Responder:
-    """Answers each query with the samples of its metric (timestamp() and max_over_time() as the plain one)."""
+    """Answers each query with the samples of its metric (the first it names: timestamp(), max_over_time() and
+    the per-PG aggregations as the plain one), and Query.PG_ACTIVE with the (job_id, pg) of the PGs in flight."""
+    active = [{"metric": {"job_id": job, "pg": pg}, "value": [NOW, "1"]} for job, pg in sorted(
+        {(s["metric"]["job_id"], s["metric"]["pg"]) for s in samples if s["metric"]["__name__"] in _ACTIVE_SIGNS})]
+
     def respond(promql: str, out: BinaryIO, stop: threading.Event) -> None:
-        name = _metric_name(promql)
-        answer(vector([s for s in samples if s["metric"]["__name__"] == name]))(promql, out, stop)
+        if promql.startswith(_ACTIVE):
+            answer(vector(active))(promql, out, stop)
+            return
+        name = re.search(r"frexporter_\w+", promql)
+        answer(vector([s for s in samples if name and s["metric"]["__name__"] == name.group()]))(promql, out, stop)
     return respond
 
 
@@ -85,8 +97,8 @@ def test_a_server_that_drips_fails_the_query_at_its_deadline(where: str) -> None
 
 
 def test_analyze_gives_up_when_all_its_queries_take_longer_than_its_deadline() -> None:
-    # Each answer is complete and valid, and comes 0.8 s late, within one query's deadline: 21 queries, asked
-    # QUERIES_IN_FLIGHT (4) at a time, take 4.8 s.
+    # Each answer is complete and valid, and comes 0.8 s late, within one query's deadline: 14 queries (no PG is
+    # active: none per rank and PG), asked QUERIES_IN_FLIGHT (4) at a time, take 3.2 s.
     with serving(answer(vector([]), pause=0.8)) as url, \
             mock.patch.object(prometheus, "ANALYZE_TIMEOUT_SECONDS", DEADLINE_S):
         error, _ = within(DEADLINE_S + MARGIN_S, lambda: report.from_prometheus(url, "j"))

@@ -25,7 +25,8 @@ import pytest
 
 from frexporter import naming as n
 from frexporter.analysis.kinds import MISSING_RANK
-from frexporter.model import ACTIVITY_IN_COLLECTIVE
+from frexporter.model import ACTIVITY_IN_COLLECTIVE, Verdict
+from frexporter.postmortem import report
 from tests.harness import REPO, Job, require_module, wait_for
 from tests.promstack import SCALE, PromStack
 from tests.rulefile import load_rules
@@ -118,6 +119,18 @@ def test_analyze_names_the_rank_that_skipped_a_collective(
     # The cascade (ranks 0, 1 and 3 blocked in WORLD behind rank 2) is explained, not blamed on anyone else.
     everything = _analyze(promstack, job_id)
     assert {rank for v in everything for rank in v["ranks"]} == {3}, everything
+    # Reading only the active PGs' series per rank (WORLD and pair23; pair01 is idle: ranks 0 and 1 wait in WORLD)
+    # judges as reading every PG's.
+    narrowed = report.from_prometheus(promstack.prom_url, job_id, STUCK_AFTER)
+    every = report.from_prometheus(promstack.prom_url, job_id, STUCK_AFTER, narrow=False)
+    assert [_judged(v) for v in narrowed.verdicts] == [_judged(v) for v in every.verdicts] != []
+    assert (narrowed.unread_pgs, every.unread_pgs) == (1, 0)
+    assert sorted({pg.desc for r in narrowed.ranks for pg in r.pgs}) == ["default_pg", "pair23"]
+
+
+def _judged(v: Verdict) -> tuple[object, ...]:
+    """What a verdict says, without its ages (two analyses a moment apart)."""
+    return (v.kind, v.job_id, v.pg, v.pg_desc, v.ranks, v.waiting_ranks, v.seq, v.op, v.timeout_seconds)
 
 
 # --- dashboards --------------------------------------------------------------------------------------------

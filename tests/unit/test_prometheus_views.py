@@ -7,6 +7,8 @@ The same views against a real Prometheus scraping a real gloo job are in tests/e
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 from unittest import mock
 
@@ -47,15 +49,44 @@ def _rank(metric: str, value: float, rank: int, instance: str = "node0:9400", sc
     return _sample(metric, value, scraped, job_id="j", rank=str(rank), instance=instance, **extra)
 
 
-def _answers(samples: list[dict[str, Any]]) -> dict[Query, list[dict[str, Any]]]:
-    """What prometheus.fetch returns for samples of one job: each query's, those of its metric; timestamp()'s
-    carry when the sample was scraped, and a sample marked ``_past`` was seen in the window (max_over_time)
-    only, not now."""
+_ACTIVE_SIGNS = (n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, n.RANK_COLLECTIVE_WAIT_SECONDS,
+                 n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS)
+
+
+def _by_pg(found: list[dict[str, Any]], value: Any) -> list[dict[str, Any]]:
+    """An aggregation by (job_id, pg, ...) as Prometheus answers it: a sample per group, ``value(samples)``."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for s in found:
+        groups.setdefault((s["metric"]["job_id"], s["metric"]["pg"]), []).append(float(s["value"][1]))
+    return [{"metric": {"job_id": job, "pg": pg}, "value": [NOW, repr(value(values))]}
+            for (job, pg), values in groups.items()]
+
+
+def _answers(samples: list[dict[str, Any]], pgs: str | None = None) -> dict[Query, list[dict[str, Any]]]:
+    """What prometheus.fetch returns for samples of one job: each query's, those of its metric (of the PGs the
+    regular expression ``pgs`` matches, when given), aggregated as its PromQL says; timestamp()'s carry when the
+    sample was scraped, and a sample marked ``_past`` was seen in the window (max_over_time) only, not now."""
     out: dict[Query, list[dict[str, Any]]] = {}
     for q in Query:
         found = [s for s in samples if s["metric"]["__name__"] == q.metric
-                 and (q is Query.BUSY_LATELY or not s.get("_past"))]
-        if q is Query.SCRAPED:  # like Prometheus: the name is dropped, the value is when the sample was scraped
+                 and (q is Query.BUSY_LATELY or not s.get("_past"))
+                 and (pgs is None or re.fullmatch(pgs, s["metric"].get("pg", "")))]
+        if q is Query.PG_ACTIVE:  # every PG: its signs of activity, else its members in flight
+            signs = _by_pg([s for s in samples if s["metric"]["__name__"] in _ACTIVE_SIGNS], len)
+            marked = {(s["metric"]["job_id"], s["metric"]["pg"]) for s in signs}
+            out[q] = signs + [s for s in _by_pg(found, lambda values: sum(v > 0 for v in values))
+                              if (s["metric"]["job_id"], s["metric"]["pg"]) not in marked]
+        elif q is Query.JOB_STUCK_CEILING:  # max by (job_id) (min by (job_id, pg) (x > 0))
+            shortest = _by_pg([s for s in found if float(s["value"][1]) > 0], min)
+            out[q] = [{"metric": {"job_id": "j"}, "value": [NOW, repr(max(float(s["value"][1]) for s in shortest))]}
+                      ] if shortest else []
+        elif q is Query.PG_INFO:  # group by (job_id, pg, size)
+            sizes = {(s["metric"]["job_id"], s["metric"]["pg"], s["metric"].get("size")) for s in found}
+            out[q] = [{"metric": {"job_id": job, "pg": pg, **({"size": size} if size is not None else {})},
+                       "value": [NOW, "1"]} for job, pg, size in sizes]
+        elif q in (Query.PG_TIMEOUT, Query.PG_STUCK_THRESHOLD, Query.PG_STUCK_CEILING):  # min by (...) (x > 0)
+            out[q] = _by_pg([s for s in found if float(s["value"][1]) > 0], min)
+        elif q is Query.SCRAPED:  # like Prometheus: the name is dropped, the value is when the sample was scraped
             out[q] = [{"metric": {k: v for k, v in s["metric"].items() if k != "__name__"},
                        "value": [NOW, repr(s["_scraped"])]} for s in found]
         elif q is Query.NODE_NOW:  # the node's clock at the poll, plus Prometheus' time since its scrape
@@ -125,9 +156,10 @@ def test_job_id_is_quoted_in_promql() -> None:
 
     with mock.patch.object(prometheus, "query", record):
         assert prometheus.rank_states("http://prometheus", 'a"b\\c', NOW) == ()
-    # The rates are asked only for arrivals, of which there are none here.
-    assert len(asked) == len(Query) - len(promview.ASKED_ONLY_WITH)
-    assert all('{job_id="a\\"b\\\\c"}' in q for q in asked), asked
+    # No PG is active: none of their series is asked, and no heartbeat needs its scrape time.
+    assert len(asked) == len(Query) - len(promview.LATER)
+    per_node = {Query.POLL.promql("{}"), Query.NODE_NOW.promql("{}")}  # every exporter's, none has a job id
+    assert all('{job_id="a\\"b\\\\c"' in q for q in asked if q not in per_node), asked
 
 
 def test_heartbeat_staleness_is_judged_at_the_scrape() -> None:
@@ -304,14 +336,15 @@ def test_analyze_prometheus_without_activity_series_judges_as_before() -> None:
 def _servers(held: dict[str, list[dict[str, Any]]], asked: list[tuple[str, str]]) -> Any:
     """prometheus.query standing in for several servers: each answers from the samples it holds (``held``, by
     URL), as _answers reads them, and every (URL, PromQL) asked is recorded in ``asked``."""
-    answers = {url: _answers(samples) for url, samples in held.items()}
     by_promql = {q.promql('{job_id="j"}'): q for q in Query}
 
     def query(url: str, promql: str, timeout: float = 30.0) -> list[dict[str, Any]]:
         asked.append((url, promql))
-        if url not in answers:
+        if url not in held:
             raise prometheus.PrometheusError(f"{url}: connection refused")
-        return answers[url][by_promql[promql]]
+        pgs = re.search(r'pg=~("(?:[^"\\]|\\.)*")', promql)
+        general = re.sub(r', pg=~"(?:[^"\\]|\\.)*"', "", promql)
+        return _answers(held[url], json.loads(pgs.group(1)) if pgs else None)[by_promql[general]]
 
     return mock.patch.object(prometheus, "query", query)
 
@@ -342,8 +375,8 @@ def test_analyze_prometheus_fails_clearly_when_one_shard_does_not_answer() -> No
 
 
 def test_rates_are_asked_only_when_some_rank_reports_arrivals() -> None:
-    samples = _rank_series(0, 8, 8)
-    rate = Query.PG_RATE.promql('{job_id="j"}')
+    samples = _rank_series(0, 8, 7, oldest=NOW - 100)  # in flight: its PG is active
+    rate = Query.PG_RATE.promql('{job_id="j", pg=~"0"}')
     asked: list[tuple[str, str]] = []
     with _servers({"http://a": samples}, asked):
         prometheus.fetch("http://a", "j")
@@ -354,3 +387,73 @@ def test_rates_are_asked_only_when_some_rank_reports_arrivals() -> None:
         got = prometheus.fetch("http://a", "j")
     assert [promql for _, promql in asked].count(rate) == 1 and len(asked) == len(Query)
     assert got[Query.PG_ARRIVAL] and set(got) == set(Query)
+
+
+# --- the ranks' series of the active PGs only ---------------------------------------------------------------------
+
+
+def _in_pg(pg: str, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``samples`` with every PG label set to ``pg``."""
+    return [{**s, "metric": {**s["metric"], "pg": pg}} if "pg" in s["metric"] else s for s in samples]
+
+
+def _job_with_an_idle_pg(idle: str = "idle") -> list[dict[str, Any]]:
+    """Ranks 0 and 1 wait in collective 8 of PG "0" on rank 2, which never enqueued it; all three also share a PG
+    with nothing in flight (at different seqs: only the in-flight collective says what is active)."""
+    waiting = [*_rank_series(0, 8, 7, oldest=NOW - 100), *_rank_series(1, 8, 7, oldest=NOW - 100),
+               *_rank_series(2, 7, 7, instance="node1:9400")]
+    ranks = {s["metric"].get("rank") for s in waiting}
+    seqs = {"0": (5, 5, 0), "1": (5, 5, 0), "2": (4, 4, 0)}  # enqueued, completed, in flight
+    idle_pg = _in_pg(idle, [_pg(metric, seqs[r][i], int(r), instance="node1:9400" if r == "2" else "node0:9400")
+                            for r in sorted(r for r in ranks if r is not None)
+                            for i, metric in enumerate((n.PG_LAST_ENQUEUED_SEQ, n.PG_LAST_COMPLETED_SEQ,
+                                                        n.PG_INFLIGHT_COLLECTIVES))])
+    statics = _in_pg(idle, [s for s in waiting if s["metric"]["__name__"] in (n.PG_INFO, n.PG_TIMEOUT_SECONDS)])
+    return [*waiting, *idle_pg, *statics]
+
+
+def test_only_the_active_pgs_ranks_series_are_read_and_the_verdicts_are_those_of_reading_all() -> None:
+    samples = _job_with_an_idle_pg('i.d|le"')  # a name with regex and string specials, selected exactly
+    asked: list[tuple[str, str]] = []
+    with _servers({"http://a": samples}, asked), mock.patch("time.time", return_value=NOW):
+        narrowed = report.from_prometheus("http://a", "j", stuck_after=30)
+        every = report.from_prometheus("http://a", "j", stuck_after=30, narrow=False)
+    per_rank = {q.promql("{}").split("{")[0] for q in promview.OF_ACTIVE_PGS}
+    first = [p for _, p in asked[:len(Query) - 1]]
+    assert [p for p in first if p.split("{")[0] in per_rank] and all(
+        '{job_id="j", pg=~"0"}' in p for p in first if p.split("{")[0] in per_rank), first
+    assert [v.to_json() for v in narrowed.verdicts] == [v.to_json() for v in every.verdicts]
+    assert [(v.kind, v.pg, v.ranks) for v in narrowed.verdicts] == [(MISSING_RANK, "0", (2,))]
+    assert {pg.name for r in narrowed.ranks for pg in r.pgs} == {"0"}
+    assert {pg.name for r in every.ranks for pg in r.pgs} == {"0", 'i.d|le"'}
+    assert narrowed.unread_pgs == 1 and every.unread_pgs == 0
+    assert report.render_text(narrowed).splitlines()[0] == (
+        "http://a: 3 ranks, 2 process groups (1 idle: nothing in flight, not read rank by rank)")
+    assert report.render_text(every).splitlines()[0] == "http://a: 3 ranks, 2 process groups"
+
+
+def test_a_job_with_nothing_in_flight_reads_no_series_per_rank_and_pg() -> None:
+    samples = [*_rank_series(0, 8, 8, world=2), *_rank_series(1, 8, 8, world=2)]
+    asked: list[tuple[str, str]] = []
+    with _servers({"http://a": samples}, asked), mock.patch("time.time", return_value=NOW):
+        found = report.from_prometheus("http://a", "j", stuck_after=30)
+    per_rank = {q.promql("{}").split("{")[0] for q in promview.OF_ACTIVE_PGS}
+    assert not [p for _, p in asked if p.split("{")[0] in per_rank]
+    assert sorted(r.rank for r in found.ranks) == [0, 1] and found.verdicts == () and found.unread_pgs == 1
+
+
+def test_past_the_named_pgs_bound_every_pg_is_read() -> None:
+    samples = _job_with_an_idle_pg()
+    many = [s for k in range(3) for s in _in_pg(f"busy{k}", [x for x in samples if x["metric"].get("pg") == "0"])]
+    asked: list[tuple[str, str]] = []
+    with _servers({"http://a": [*samples, *many]}, asked), mock.patch.object(prometheus, "MAX_NAMED_PGS", 3):
+        prometheus.fetch("http://a", "j")
+    enqueued = [p for _, p in asked if p.startswith(n.PG_LAST_ENQUEUED_SEQ)]
+    assert enqueued == [Query.PG_ENQUEUED.promql('{job_id="j"}')]  # 4 active PGs: all of them, unnamed
+
+
+def test_pg_names_become_an_exact_regular_expression() -> None:
+    names = ["0", "a.b", "x|y", "(p)", "q*", "[r]", "{s}", "t^$", "u\\v", "w+?", 'z"']
+    pattern = prometheus._alternatives(names)
+    assert all(re.fullmatch(pattern, name) for name in names)
+    assert not any(re.fullmatch(pattern, other) for other in ("axb", "x", "y", "p", "qq", "r", "", "u\\\\v"))
