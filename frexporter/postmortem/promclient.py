@@ -31,6 +31,11 @@ MAX_SERIES = 1 << 19
 # drips a byte at a time would otherwise hold a query open forever.
 QUERY_TIMEOUT_SECONDS = 30.0
 _READ_BYTES = 1 << 16
+# A query longer than this (URL-encoded) is sent in a POST body, which the query API takes as well: a proxy in
+# front of Prometheus may refuse a long URL (nginx's header buffers are 8 KiB).
+MAX_GET_QUERY_CHARS = 4096
+# Of a query quoted in an error message.
+_QUOTED_QUERY_CHARS = 200
 # One answer parsed at a time in this process, however many queries are in flight: the parse is what costs memory
 # (a dict per container: a 5 MB flood of "{}" is 150 MB), and it holds the GIL anyway.
 _PARSING = threading.Lock()
@@ -154,12 +159,15 @@ def query(base_url: str, promql: str, timeout: float = QUERY_TIMEOUT_SECONDS) ->
     """The samples of ``promql``; PrometheusError when the whole exchange takes more than ``timeout`` seconds,
     or its answer is too large, or not a Prometheus answer."""
     deadline = time.monotonic() + timeout
-    source = safetext.printable(f"{base_url} ({promql!r})")
+    quoted = promql if len(promql) <= _QUOTED_QUERY_CHARS else promql[:_QUOTED_QUERY_CHARS] + "..."
+    source = safetext.printable(f"{base_url} ({quoted!r})")
     if urllib.parse.urlsplit(base_url).scheme not in ("http", "https"):
         raise PrometheusError(f"{safetext.printable(base_url)}: not an http:// or https:// URL")
-    url = base_url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    endpoint, form = base_url.rstrip("/") + "/api/v1/query", urllib.parse.urlencode({"query": promql})
+    request = urllib.request.Request(endpoint + "?" + form) if len(form) <= MAX_GET_QUERY_CHARS else \
+        urllib.request.Request(endpoint, data=form.encode(), method="POST")  # urlencoded, as urllib labels it
     try:
-        with _opener(deadline).open(url, timeout=timeout) as resp:
+        with _opener(deadline).open(request, timeout=timeout) as resp:
             body = _read_body(resp, source)
     except urllib.error.HTTPError as e:
         raise PrometheusError(f"{source}: HTTP {e.code}: {_excerpt(e)}") from e

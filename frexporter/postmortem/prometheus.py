@@ -72,11 +72,12 @@ ANALYZE_TIMEOUT_SECONDS = 120.0
 QUERIES_IN_FLIGHT = 4
 
 
-# The most active PGs whose ranks' series are asked by name (a regular expression of their names in each query of
-# OF_ACTIVE_PGS), and the longest that expression may be: past either, every PG's are asked (a hang that spread
-# into every PG reads as much as before, and the query stays a short GET).
-MAX_NAMED_PGS = 1024
-MAX_NAMED_PG_CHARS = 32 << 10
+# The most active PGs whose series are asked by name (a regular expression of their names in each query of
+# OF_ACTIVE_PGS), and the longest that expression may be: past either, every PG's are asked. Prometheus matches an
+# alternation of plain names as a set (4,096 names over a 32,768-rank job's 8,257 PGs: 0.3 s, as a plain
+# selector); the bound keeps a hostile answer's millions of names out of the queries.
+MAX_NAMED_PGS = 16384
+MAX_NAMED_PG_CHARS = 256 << 10
 _RE2_SPECIAL = frozenset("\\.+*?()|[]{}^$")
 
 

@@ -7,8 +7,11 @@ The same views against a real Prometheus scraping a real gloo job are in tests/e
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
+import threading
+import urllib.parse
 from typing import Any
 from unittest import mock
 
@@ -457,3 +460,38 @@ def test_pg_names_become_an_exact_regular_expression() -> None:
     pattern = prometheus._alternatives(names)
     assert all(re.fullmatch(pattern, name) for name in names)
     assert not any(re.fullmatch(pattern, other) for other in ("axb", "x", "y", "p", "qq", "r", "", "u\\\\v"))
+
+
+def test_a_long_query_is_sent_in_a_post_body_and_a_short_one_in_the_url() -> None:
+    got: list[tuple[str, str]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self, form: str) -> None:
+            got.append((self.command, urllib.parse.parse_qs(form)["query"][0]))
+            body = b'{"status": "success", "data": {"resultType": "vector", "result": []}}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self._answer(urllib.parse.urlsplit(self.path).query)
+
+        def do_POST(self) -> None:
+            assert self.headers["Content-Type"] == "application/x-www-form-urlencoded"
+            self._answer(self.rfile.read(int(self.headers["Content-Length"])).decode())
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        long = Query.PG_ENQUEUED.promql(prometheus._selector("j", [f"tp{i}" for i in range(4096)]))
+        assert prometheus.query(url, "up") == [] and prometheus.query(url, long) == []
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got == [("GET", "up"), ("POST", long)]
