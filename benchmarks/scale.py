@@ -553,8 +553,9 @@ def _expected_alert(name: str, at: float, sc: Scenario) -> list[tuple[str, str]]
 def time_analyze(urls: list[str], job: str, expected: list[tuple[str, str, list[int]]],
                  stuck_after: float | None = None) -> dict[str, Any]:
     """``frexporter analyze --prometheus`` over ``urls`` as a CLI, then in this process
-    (``report.from_prometheus``): wall times, verdicts, and whether both are exactly ``expected`` (kind, PG,
-    ranks). The CLI first: the in-process analysis holds this process's GIL, which a simulation serving scrapes
+    (``report.from_prometheus``), then in this process reading every PG's series (as a hang spread into every PG
+    makes it read): wall times, verdicts, and whether all are exactly ``expected`` (kind, PG, ranks). The CLI
+    first: the in-process analysis holds this process's GIL, which a simulation serving scrapes
     from a thread of it (benchmarks/scale_live.py) needs; at 32,768 ranks the scrapes it delays time out."""
     from frexporter.postmortem import report as analysis_report
 
@@ -572,9 +573,15 @@ def time_analyze(urls: list[str], job: str, expected: list[tuple[str, str, list[
     rep = analysis_report.from_prometheus(urls, job, stuck_after)
     in_process = time.perf_counter() - t0
     named = sorted((v.kind, v.pg, list(v.ranks)) for v in rep.verdicts)
-    return {"in_process_s": round(in_process, 2), "cli_s": round(cli_s, 2), "ranks_seen": len(rep.ranks),
-            "verdicts": named[:5], "cli_verdicts": cli_named[:5], "cli_error": cli.stderr[-500:] if cli.returncode
-            else "", "correct": named == expected and cli_named == named}
+    t0 = time.perf_counter()
+    every = analysis_report.from_prometheus(urls, job, stuck_after, narrow=False)
+    every_pg_s = time.perf_counter() - t0
+    every_named = sorted((v.kind, v.pg, list(v.ranks)) for v in every.verdicts)
+    return {"in_process_s": round(in_process, 2), "cli_s": round(cli_s, 2), "every_pg_s": round(every_pg_s, 2),
+            "ranks_seen": len(rep.ranks), "pgs_read": len({(r.job_id, pg.name) for r in rep.ranks for pg in r.pgs}),
+            "pgs_idle": rep.unread_pgs, "verdicts": named[:5], "cli_verdicts": cli_named[:5],
+            "cli_error": cli.stderr[-500:] if cli.returncode else "",
+            "correct": named == expected and cli_named == named and every_named == named}
 
 
 # ---------------------------------------------------------------------------------------- report

@@ -352,8 +352,10 @@ def print_report(r: dict[str, Any]) -> None:
     for when, label in (("busy", "their rules running"), ("rules_paused", "their rules paused")):
         if when in a:
             t = a[when]
-            print(f"    {label}: {t['in_process_s']:.2f} s in process, {t['cli_s']:.2f} s as a CLI; {t['ranks_seen']} "
-                  f"ranks; verdicts {t['verdicts']} -> {'culprit named' if t['correct'] else 'WRONG'}")
+            print(f"    {label}: {t['cli_s']:.2f} s as a CLI, {t['in_process_s']:.2f} s in process; {t['ranks_seen']} "
+                  f"ranks, {t['pgs_read']} active PGs read, {t['pgs_idle']} idle; reading every PG: "
+                  f"{t['every_pg_s']:.2f} s in process; verdicts {t['verdicts']} -> "
+                  f"{'culprit named' if t['correct'] else 'WRONG'}")
     if r.get("rule_errors"):
         print(f"  RULE ERRORS: {r['rule_errors']}")
 
