@@ -752,7 +752,7 @@ def _global_config(interval: float, external: dict[str, str] | None = None) -> d
     return doc
 
 
-def _fleet_job(fleet: FakeFleet, shard: int | None = None, shards: int = 1) -> dict[str, Any]:
+def fleet_job(fleet: FakeFleet, shard: int | None = None, shards: int = 1) -> dict[str, Any]:
     """The exporters' scrape job: one target per node path on the fleet's port, each with its own instance (the
     rules join a node's series on job and instance). A shard keeps its hashmod share: hashed on the path, which
     tells the nodes apart here as the address does in a real cluster (every fake node shares one address)."""
@@ -803,7 +803,7 @@ class PromLayout:
 
     @classmethod
     def single(cls, fleet: FakeFleet, workdir: Path, interval: float = 15.0, scale: float = 1.0) -> PromLayout:
-        config = {**_global_config(interval), "scrape_configs": [_fleet_job(fleet)]}
+        config = {**_global_config(interval), "scrape_configs": [fleet_job(fleet)]}
         server = PromServer("single", workdir, config, render_rules(scale), interval)
         return cls(fleet, workdir, "single", [server], [], server)
 
@@ -815,7 +815,7 @@ class PromLayout:
         servers = [
             PromServer(shard_name(i), workdir,
                        {**_global_config(interval, {rule_tiers.SHARD_LABEL: shard_name(i)}),
-                        "scrape_configs": [_fleet_job(fleet, i, shards)]}, shard_rules, interval)
+                        "scrape_configs": [fleet_job(fleet, i, shards)]}, shard_rules, interval)
             for i in range(shards)
         ]
         top = PromServer("global", workdir,

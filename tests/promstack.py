@@ -174,6 +174,10 @@ class Daemons:
                 raise RuntimeError(f"{name} exited {proc.returncode}:\n{self.log(name)}")
         return True
 
+    def pid(self, name: str) -> int:
+        """The process id of ``name`` (its CPU and memory in /proc, for benchmarks)."""
+        return next(proc.pid for proc_name, proc in self._procs if proc_name == name)
+
     def log(self, name: str) -> str:
         try:
             return (self.workdir / f"{name}.log").read_text(errors="replace")[-4000:]

@@ -78,14 +78,17 @@ class VmStack:
     """Handles of a running victoria-metrics + vmagent + vmalert."""
 
     def __init__(self, workdir: Path, exporter_ports: Sequence[int], notifier_url: str, scale: float = SCALE,
-                 interval: float = INTERVAL_S) -> None:
+                 interval: float = INTERVAL_S, scrape_jobs: Sequence[dict[str, Any]] = ()) -> None:
         """``exporter_ports``: the loopback ports vmagent scrapes; ``notifier_url``: the Alertmanager vmalert
-        sends to."""
+        sends to; ``scrape_jobs``: vmagent's scrape jobs instead of one over ``exporter_ports`` (a simulated
+        fleet's, benchmarks/scale_vm.py)."""
         self.workdir = workdir
         self.scale = scale
         self.interval = interval
         self.exporter_ports = tuple(exporter_ports)
-        self.exporter_port = self.exporter_ports[0]
+        self.exporter_port = self.exporter_ports[0] if self.exporter_ports else 0
+        self.scrape_jobs = list(scrape_jobs) or [{"job_name": SCRAPE_JOB, "static_configs": [
+            {"targets": [f"127.0.0.1:{port}" for port in self.exporter_ports]}]}]
         self.notifier_url = notifier_url
         self.vm_url = f"http://127.0.0.1:{free_port()}"
         self.agent_url = f"http://127.0.0.1:{free_port()}"
@@ -104,8 +107,7 @@ class VmStack:
         scrape_config = self.workdir / "vmagent.yml"
         scrape_config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": interval, "scrape_timeout": interval},
-            "scrape_configs": [{"job_name": SCRAPE_JOB, "static_configs": [
-                {"targets": [f"127.0.0.1:{port}" for port in self.exporter_ports]}]}],
+            "scrape_configs": self.scrape_jobs,
         }), encoding="utf-8")
         self._daemons.spawn("victoria-metrics", [
             victoria_metrics, f"-storageDataPath={self.workdir / 'vm-data'}",
@@ -151,6 +153,9 @@ class VmStack:
     def log(self, name: str) -> str:
         return self._daemons.log(name)
 
+    def pid(self, name: str) -> int:
+        return self._daemons.pid(name)
+
     def stop(self) -> None:
         self._daemons.stop()
 
@@ -173,10 +178,10 @@ class VmStack:
 
 @contextmanager
 def running_vmstack(workdir: Path, exporter_ports: Sequence[int], notifier_url: str, scale: float = SCALE,
-                    interval: float = INTERVAL_S) -> Iterator[VmStack]:
+                    interval: float = INTERVAL_S, scrape_jobs: Sequence[dict[str, Any]] = ()) -> Iterator[VmStack]:
     """A started stack for the ``with`` block, stopped after it (also when it fails to start)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    stack = VmStack(workdir, exporter_ports, notifier_url, scale=scale, interval=interval)
+    stack = VmStack(workdir, exporter_ports, notifier_url, scale=scale, interval=interval, scrape_jobs=scrape_jobs)
     try:
         stack.start()
         yield stack

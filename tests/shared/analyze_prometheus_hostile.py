@@ -42,10 +42,15 @@ def serving(respond: Responder) -> Iterator[str]:
     class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:
             request_line = self.rfile.readline(65537).decode("latin-1")
-            while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):
-                pass
+            length = 0
+            while (header := self.rfile.readline(65537)) not in (b"\r\n", b"\n", b""):
+                name, _, value = header.decode("latin-1").partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value.strip())
             target = request_line.split(" ")[1] if request_line.count(" ") >= 2 else "/"
-            promql = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query).get("query", [""])[0]
+            # A long query comes in a POST body (promclient.MAX_GET_QUERY_CHARS), a short one in the URL.
+            form = self.rfile.read(length).decode("latin-1") if length else urllib.parse.urlsplit(target).query
+            promql = urllib.parse.parse_qs(form).get("query", [""])[0]
             respond(promql, self.wfile, stop)
 
     server = _Server(("127.0.0.1", 0), Handler)
