@@ -395,14 +395,27 @@ def _print_rules(r: dict[str, Any]) -> None:
           f"fault: {d['false_before_fault'] or 'none'}")
 
 
+def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulated fleet's size, the rounds measured, the intervals and --json (also benchmarks/scale_vm.py)."""
+    parser.add_argument("--nodes", type=int, default=16, help=f"nodes of {RANKS_PER_NODE} ranks (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=4, help=f"rule rounds measured after {WARMUP_ROUNDS} warm-up")
+    parser.add_argument("--interval", type=float, default=15.0, help="scrape and evaluation interval, seconds")
+    parser.add_argument("--json", action="store_true", help="the numbers as JSON")
+
+
+def emit(report: dict[str, Any], as_json: bool, printer: Callable[[dict[str, Any]], None]) -> None:
+    if as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        printer(report)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=16)
+    add_fleet_arguments(parser)
     parser.add_argument("--layout", choices=("single", "tiered"), default="single")
     parser.add_argument("--shards", type=int, default=2, help="shard Prometheus of the tiered layout")
-    parser.add_argument("--rounds", type=int, default=4, help=f"rule rounds measured after {WARMUP_ROUNDS} warm-up")
     parser.add_argument("--pp", type=int, default=0, help="pipeline stages (default min(8, nodes)); DP = nodes / pp")
-    parser.add_argument("--interval", type=float, default=15.0, help="scrape and evaluation interval, seconds")
     parser.add_argument("--scale", type=float, default=1.0, help="rule timings and fleet thresholds times this")
     parser.add_argument("--alone", action="store_true", help="also time each Prometheus' rules with the others paused")
     parser.add_argument("--desync-timeout", type=float, default=0.0, help="seconds to wait for the alert")
@@ -410,13 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="rules paused from the start; only time analyze after a desync (a size too large for "
                              "this machine's rule rounds)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, TSDBs)")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     report = run(args)
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print_report(report)
+    emit(report, args.json, print_report)
     analyzed = all(a["correct"] for key, a in report["analyze"].items() if key != "servers")
     if args.analyze_only:
         return 0 if analyzed else 1

@@ -21,7 +21,6 @@ status 1 when the alert was wrong or missing, or a rule failed to evaluate.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -35,12 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.scale import real_exposition
+from benchmarks.scale_live import WARMUP_ROUNDS, add_fleet_arguments, emit
 from tests.fleet import JOB_ID, RANKS_PER_NODE, FakeFleet, cross_shard_desync, fleet_job, stat_cpu_seconds
 from tests.rulefile import alert_for
 from tests.vmstack import VmStack
 
 DESYNC = "FrexporterCollectiveDesync"
-WARMUP_ROUNDS = 1
 PROCESSES = ("victoria-metrics", "vmagent", "vmalert")
 # Where vmalert sends alerts: nowhere (vmalert 1.79 needs a notifier; the alerts are read from its API).
 NO_NOTIFIER = "http://127.0.0.1:9"
@@ -185,16 +184,10 @@ def print_report(r: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=4, help=f"rule rounds measured after {WARMUP_ROUNDS} warm-up")
-    parser.add_argument("--interval", type=float, default=15.0, help="scrape and evaluation interval, seconds")
-    parser.add_argument("--json", action="store_true")
+    add_fleet_arguments(parser)
     args = parser.parse_args(argv)
     report = run(args)
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print_report(report)
+    emit(report, args.json, print_report)
     errors = sum(g["rule_errors"] for g in report["healthy"]["groups"].values())
     return 0 if report["desync"]["correct"] and not errors else 1
 
