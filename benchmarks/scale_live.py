@@ -259,7 +259,7 @@ def analyze(layout: PromLayout, culprit: int, pg: str, busy: bool = True) -> dic
 
 
 def analyze_only(layout: PromLayout, fleet: FakeFleet, culprit: int, pg: str, interval: float,
-                 timeout: float) -> dict[str, Any]:
+                 timeout: float, cascade: bool = False) -> dict[str, Any]:
     """Only the analysis, with every rule paused from the start (a size whose rules overrun this machine): once
     the servers hold every rank, the desync, then the analysis once its waiters have waited the stuck threshold
     and been scraped so."""
@@ -274,7 +274,7 @@ def analyze_only(layout: PromLayout, fleet: FakeFleet, culprit: int, pg: str, in
     watcher = Watcher(layout, poll_s=min(2.0, interval / 4))
     if not watcher.until(every_rank, time.monotonic() + timeout):
         raise RuntimeError(f"the servers never held all {fleet.topo.world} ranks")
-    fault = fleet.desync(culprit, pg)
+    fault = fleet.desync(culprit, pg, cascade)
     waited = fault.at + fleet.stuck_threshold_s + 2 * interval
     watcher.until(lambda: time.time() > waited, time.monotonic() + fleet.stuck_threshold_s + 3 * interval)
     return analyze(layout, culprit, pg, busy=False)
@@ -305,7 +305,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         started = time.time()
         with running(fleet, make) as (layout,):
             if args.analyze_only:
-                report["analyze"] = analyze_only(layout, fleet, culprit, pg, args.interval, round_timeout)
+                report["analyze"] = analyze_only(layout, fleet, culprit, pg, args.interval, round_timeout,
+                                                 args.cascade)
                 return report
             watcher = Watcher(layout, poll_s=min(2.0, args.interval / 4))
             t1 = time.monotonic()
@@ -422,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--analyze-only", action="store_true",
                         help="rules paused from the start; only time analyze after a desync (a size too large for "
                              "this machine's rule rounds)")
+    parser.add_argument("--cascade", action="store_true",
+                        help="with --analyze-only: the hang spreads into the tensor-parallel group of every waiter "
+                             "(their nodes' other ranks wait in it), as on a real job")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, TSDBs)")
     args = parser.parse_args(argv)
     report = run(args)

@@ -277,26 +277,35 @@ class Desync:
     """A hung job: from ``at`` on, every member of ``pg`` but ``culprit`` has enqueued seq S + 1 (completed S,
     its oldest in-flight collective began at ``at``, state in_collective), the culprit is at S with nothing in
     flight (state idle), and every other PG of every rank stopped at S with nothing in flight (a rank blocked in
-    the desynced PG enqueues nothing else; no PG stalls with all ranks in it, which would be another alert)."""
+    the desynced PG enqueues nothing else; no PG stalls with all ranks in it, which would be another alert).
 
-    def __init__(self, healthy: Healthy, at: float, culprit: int, pg: str, members: list[int]) -> None:
+    ``cascade``: the hang spreads a step further, as it does on a real job: the other ranks of each waiter's node
+    enqueued their tensor-parallel collective S + 1 and wait in it for the waiter (blocked in the desynced PG), so
+    every tensor-parallel group with a waiter has a collective in flight too."""
+
+    def __init__(self, healthy: Healthy, at: float, culprit: int, pg: str, members: list[int],
+                 cascade: bool = False) -> None:
         self.t0 = healthy.t0
         self.at = at
         self.culprit = culprit
         self.pg_name = pg
         self.waiters = frozenset(members) - {culprit}
         self.seq = int(healthy.at(at)["enq"])  # S: what every rank completed (an in-flight one finishes)
+        self.tp_waiting_nodes = frozenset(Topology.node_of(w) for w in self.waiters) if cascade else frozenset()
+
+    def _tp_waiter(self, rank: int) -> bool:
+        return rank not in self.waiters and Topology.node_of(rank) in self.tp_waiting_nodes
 
     def pg(self, rank: int, pg: Pg) -> PgValues:
         s, at = str(self.seq), f"{self.at:.3f}"
-        if pg.name == self.pg_name and rank in self.waiters:
+        if (pg.name == self.pg_name and rank in self.waiters) or (pg.kind == "tp" and self._tp_waiter(rank)):
             return PgValues(str(self.seq + 1), s, "1", at, at)
         return PgValues(s, s, "0", at, None)
 
     def activity(self, rank: int) -> tuple[str, str]:
         if rank == self.culprit:
             return "idle", f"{self.at:.3f}"
-        if rank in self.waiters:
+        if rank in self.waiters or self._tp_waiter(rank):
             return "in_collective", f"{self.at:.3f}"
         return HEALTHY_STATE, _num(self.t0)
 
@@ -570,12 +579,13 @@ class FakeFleet:
         self.requests += 1
         return (text % values).encode()
 
-    def desync(self, culprit: int, pg: str) -> Desync:
-        """From now on the job hangs on ``pg``: every member but ``culprit`` waits in seq S + 1 (see Desync)."""
+    def desync(self, culprit: int, pg: str, cascade: bool = False) -> Desync:
+        """From now on the job hangs on ``pg``: every member but ``culprit`` waits in seq S + 1, and with
+        ``cascade`` their nodes' other ranks in their tensor-parallel groups (see Desync)."""
         members = self.topo.members(pg)
         if culprit not in members:
             raise ValueError(f"rank {culprit} is not in PG {pg} ({members})")
-        fault = Desync(self._healthy, time.time(), culprit, pg, members)
+        fault = Desync(self._healthy, time.time(), culprit, pg, members, cascade)
         self._current = (fault, self._render_all(fault))  # rendered first: every node changes at one instant
         return fault
 
