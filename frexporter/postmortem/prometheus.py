@@ -63,8 +63,8 @@ __all__ = [
     "servers",
 ]
 
-# All queries of one analysis (22 of them, on every server), so that a server answering each just in time cannot
-# hold `frexporter analyze` for 22 times QUERY_TIMEOUT_SECONDS.
+# All queries of one analysis (up to 24 of them, on every server), so that a server answering each just in time
+# cannot hold `frexporter analyze` for 24 times QUERY_TIMEOUT_SECONDS.
 ANALYZE_TIMEOUT_SECONDS = 120.0
 # Queries in flight at once, over all servers: while one answer is parsed here, a server computes the next (at
 # 8,192 ranks the servers' part is about half of the time). A few: each holds up to MAX_RESPONSE_BYTES until it

@@ -418,13 +418,17 @@ def _job_with_an_idle_pg(idle: str = "idle") -> list[dict[str, Any]]:
 def test_only_the_active_pgs_ranks_series_are_read_and_the_verdicts_are_those_of_reading_all() -> None:
     samples = _job_with_an_idle_pg('i.d|le"')  # a name with regex and string specials, selected exactly
     asked: list[tuple[str, str]] = []
+    everything: list[tuple[str, str]] = []
     with _servers({"http://a": samples}, asked), mock.patch("time.time", return_value=NOW):
         narrowed = report.from_prometheus("http://a", "j", stuck_after=30)
+    with _servers({"http://a": samples}, everything), mock.patch("time.time", return_value=NOW):
         every = report.from_prometheus("http://a", "j", stuck_after=30, narrow=False)
-    per_rank = {q.promql("{}").split("{")[0] for q in promview.OF_ACTIVE_PGS}
-    first = [p for _, p in asked[:len(Query) - 1]]
-    assert [p for p in first if p.split("{")[0] in per_rank] and all(
-        '{job_id="j", pg=~"0"}' in p for p in first if p.split("{")[0] in per_rank), first
+    of_pgs = {q.promql("{}").split("{")[0] for q in promview.OF_ACTIVE_PGS}
+    narrowed_pg_queries = [p for _, p in asked if p.split("{")[0] in of_pgs]
+    # Every query of a PG's series but the rates (no arrivals), each of the active PG only.
+    assert len(narrowed_pg_queries) == len(promview.OF_ACTIVE_PGS) - 1
+    assert all('{job_id="j", pg=~"0"}' in p for p in narrowed_pg_queries), narrowed_pg_queries
+    assert not [p for _, p in everything if "pg=~" in p] and len(everything) == len(asked)
     assert [v.to_json() for v in narrowed.verdicts] == [v.to_json() for v in every.verdicts]
     assert [(v.kind, v.pg, v.ranks) for v in narrowed.verdicts] == [(MISSING_RANK, "0", (2,))]
     assert {pg.name for r in narrowed.ranks for pg in r.pgs} == {"0"}
