@@ -35,7 +35,7 @@ from typing import Any
 
 from benchmarks.scale import real_exposition
 from benchmarks.scale_live import WARMUP_ROUNDS, add_fleet_arguments, emit
-from tests.fleet import JOB_ID, RANKS_PER_NODE, FakeFleet, cross_shard_desync, fleet_job, stat_cpu_seconds
+from tests.fleet import JOB_ID, RANKS_PER_NODE, FakeFleet, cross_shard_desync, fleet_job, rss_mb, stat_cpu_seconds
 from tests.rulefile import alert_for
 from tests.vmstack import VmStack
 
@@ -59,13 +59,6 @@ def vmalert_groups(stack: VmStack) -> dict[str, dict[str, float]]:
             group = out.setdefault(m.group(2), {})
             group[m.group(1)] = group.get(m.group(1), 0.0) + float(m.group(3))
     return out
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _cpu(stack: VmStack) -> dict[str, float]:
@@ -107,7 +100,7 @@ def healthy(stack: VmStack, fleet: FakeFleet, interval: float, rounds: int, time
         "complete": complete, "wall_s": round(t1 - t0, 1), "groups": groups,
         "rules_per_round_s": round(sum(g["mean_ms"] or 0 for g in groups.values()) / 1e3, 3),
         "job_series": int(float(series[0]["value"][1])) if series else 0,
-        "rss_mb": {name: round(_rss_mb(stack.pid(name)), 1) for name in PROCESSES},
+        "rss_mb": {name: round(rss_mb(stack.pid(name)), 1) for name in PROCESSES},
         "cpu_s_per_round": {**{name: round((cpu1[name] - cpu0[name]) * per_round, 3) for name in PROCESSES},
                             "fleet": round((fleet1 - fleet0) * per_round, 3)},
     }

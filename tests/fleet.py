@@ -475,6 +475,14 @@ def stat_cpu_seconds(stat_path: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_mb(pid: int) -> float:
+    """A process's resident memory in MB, from /proc (0 when it reports none)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 class _Server(HTTPServer):
     request_queue_size = 1024  # K Prometheus scrape thousands of paths of one port, one request at a time
     allow_reuse_address = True
@@ -746,12 +754,7 @@ class PromServer:
         return stat_cpu_seconds(f"/proc/{self.proc.pid}/stat")
 
     def rss_mb(self) -> float:
-        if not self.running or self.proc is None:
-            return 0.0
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
+        return 0.0 if not self.running or self.proc is None else rss_mb(self.proc.pid)
 
 
 def _global_config(interval: float, external: dict[str, str] | None = None) -> dict[str, Any]:
