@@ -140,7 +140,8 @@ class SnapshotCollector(Collector):
         inflight = GaugeMetricFamily(n.PG_INFLIGHT_COLLECTIVES, "Collectives enqueued and not completed.",
                                      labels=labels)
         oldest = GaugeMetricFamily(n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS,
-                                   "Unix time the oldest in-flight collective was enqueued.", labels=labels)
+                                   "Unix time the oldest in-flight collective was enqueued; only while the "
+                                   "rank has a collective enqueued and not completed.", labels=labels)
         timeout = GaugeMetricFamily(n.PG_TIMEOUT_SECONDS, "Watchdog timeout of the process group (the "
                                     "shortest among this node's ranks).", labels=list(n.PG_STATIC_LABELS))
         threshold = GaugeMetricFamily(n.PG_STUCK_THRESHOLD_SECONDS,
@@ -187,7 +188,9 @@ class SnapshotCollector(Collector):
                 done.add_sample(done.name, key, pg.last_completed)
                 inflight.add_sample(inflight.name, key, pg.inflight_count)
                 first = pg.oldest_inflight
-                if first is not None and pg.inflight_count > 0:
+                # Only while a collective is enqueued and not completed: the shipped rules read this series
+                # alone as "waits in a collective" (a p2p op in flight is not one), never joining the seqs.
+                if first is not None and pg.inflight_count > 0 and pg.last_enqueued > pg.last_completed:
                     oldest.add_sample(oldest.name, key, first.created)
                 if pg.last_progress is not None:
                     progress.add_sample(progress.name, key, pg.last_progress)

@@ -291,5 +291,5 @@ def test_the_rules_waiting_states_are_the_models() -> None:
     # The culprit's activity is judged where its series are, in the shard tier's candidate record.
     desync = next(rule for group in load_rules(1.0)["groups"] for rule in group["rules"]
                   if rule.get("record") == DESYNC_HELD)
-    found = re.findall(r'\{state=~"([^"]+)"\}', desync["expr"])
+    found = re.findall(r'\{state[=!]~"([^"]+)"\}', desync["expr"])
     assert found and all(set(f.split("|")) == set(ACTIVITY_WAITING) for f in found), found
