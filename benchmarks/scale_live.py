@@ -9,7 +9,8 @@ and timings (``--interval``, ``--scale`` change them).
 
 1. Healthy: until every rule group of every Prometheus has evaluated ``--rounds`` rounds after one warm-up round.
    Reported per Prometheus: head series, RSS, CPU per round, and each group's evaluation time per round (its own
-   ``evaluationTime`` in /api/v1/rules, mean and max over those rounds) and missed iterations.
+   ``evaluationTime`` in /api/v1/rules, mean and max over those rounds) and missed iterations; and its heaviest
+   rules by their own ``evaluationTime`` (the rules of a group run one after another, so they add up to it).
 2. ``--alone`` (tiered): the same, for each Prometheus in turn while the others' rules are paused (reloaded with a
    1-day evaluation interval; they keep scraping and federating, and the global federates the shards' last
    exports, so its input keeps its size): the shards share this machine's cores, so each tier's rule time is
@@ -65,6 +66,7 @@ from tests.promstack import parse_rfc3339
 from tests.rulefile import alert_for
 
 DESYNC = "FrexporterCollectiveDesync"
+HEAVIEST_RULES = 12  # the rules each Prometheus reports by their own evaluationTime
 WARMUP_ROUNDS = 1  # the first evaluation after a start or a reload: cold caches, or overlapping a paused group
 PAUSED_INTERVAL = "1d"  # a group's next evaluation lands a day away (its offset in the interval): paused
 
@@ -80,6 +82,7 @@ class Watcher:
     layout: PromLayout
     poll_s: float
     evaluations: dict[tuple[str, str], dict[float, float]] = field(default_factory=dict)
+    rule_evaluations: dict[tuple[str, str], dict[float, float]] = field(default_factory=dict)  # (server, rule)
     errors: dict[str, str] = field(default_factory=dict)
     desyncs: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (rank, pg, state) -> first seen
 
@@ -98,6 +101,10 @@ class Watcher:
                 self.evaluations.setdefault((server.name, group["name"]), {})[parse_rfc3339(last)] = float(
                     group["evaluationTime"])
             for rule in group["rules"]:
+                when = rule.get("lastEvaluation") or ""
+                if when and not when.startswith("0001"):
+                    self.rule_evaluations.setdefault((server.name, f"{group['name']}/{rule['name']}"), {})[
+                        parse_rfc3339(when)] = float(rule.get("evaluationTime", 0.0))
                 if rule.get("health") == "err":
                     self.errors[f"{server.name}/{group['name']}/{rule['name']}"] = rule.get("lastError", "")
 
@@ -108,6 +115,13 @@ class Watcher:
             if name == server:
                 out[group] = [evals[t] for t in sorted(evals) if since < t <= until]
         return out
+
+    def heaviest_rules(self, server: str, since: float, until: float, top: int) -> dict[str, dict[str, Any]]:
+        """The ``top`` rules of ``server`` by mean evaluation time over their evaluations in (since, until]."""
+        stats = {rule: _stats([evals[t] for t in sorted(evals) if since < t <= until])
+                 for (name, rule), evals in self.rule_evaluations.items() if name == server}
+        ranked = sorted((r for r in stats.items() if r[1]["mean_ms"] is not None), key=lambda r: -r[1]["mean_ms"])
+        return dict(ranked[:top])
 
     def until(self, done: Callable[[], bool], deadline: float) -> bool:
         """Polls until ``done()`` or the deadline (monotonic); whether it was done."""
@@ -170,6 +184,7 @@ def together(watcher: Watcher, fleet: FakeFleet, interval: float, rounds: int, t
             "head_series": s.head_series(), "rss_mb": round(s.rss_mb(), 1),
             "cpu_s_per_round": round((end.server_cpu[s.name] - start.server_cpu[s.name]) * per_round, 3),
             "groups": {g: {**_stats(v), "iterations_missed": missed[s.name].get(g, 0.0)} for g, v in groups.items()},
+            "heaviest_rules": watcher.heaviest_rules(s.name, start.started, end.started, HEAVIEST_RULES),
         }
     requests = end.fleet_requests - start.fleet_requests
     fleet_cpu = end.fleet_cpu - start.fleet_cpu
@@ -378,6 +393,12 @@ def _print_rules(r: dict[str, Any]) -> None:
             solo = alone_r.get(name, {}).get("groups", {}).get(group)
             print(f"  {head}  {group:<30} {_ms(g):>22} {_ms(solo):>22} {g['iterations_missed']:>6.0f}")
             first = False
+    for name, s in t["servers"].items():
+        heavy = s.get("heaviest_rules") or {}
+        if heavy:
+            print(f"\n  {name}: its {len(heavy)} heaviest rules, mean / max ms per evaluation (rounds):")
+            for rule, stats in heavy.items():
+                print(f"    {_ms(stats):>22}  {rule}")
     for name, a in alone_r.items():
         if a["others_evaluated"]:
             print(f"  NOTE: while {name} ran alone, paused groups evaluated anyway: {', '.join(a['others_evaluated'])}")

@@ -101,6 +101,12 @@ _NODE_AGE = re.compile(
 _RECORDED_AT = re.compile(r"\+ time\(\)$|\(time\(\) - max by \([\w, ]+\) \(\w+:\w+:\w+\)\)"
                           r"|\(time\(\) - timestamp\(" + re.escape(naming.POLL_TIMESTAMP_SECONDS)
                           + r"\) > [\d.]+\)", re.M)
+# When Prometheus scraped a node timestamp, against when it scraped that node's poll (or "up"): both are Prometheus'
+# scrape times (a sample's, not its value), so no node clock is read.
+_SCRAPED_WITH_ITS_NODE = re.compile(
+    r"timestamp\((frexporter_\w+_timestamp_seconds)\)\s+>= on \(job, instance\) group_left \(\)\s+max by \(job, "
+    r"instance\) \(timestamp\(" + re.escape(naming.POLL_TIMESTAMP_SECONDS) + r"\) or on \(job, instance\) "
+    r"timestamp\(up\)\)")
 # Node timestamps the rules only test for presence or state, never read as a time.
 _NOT_READ_AS_TIMES = {naming.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS}
 # The one node timestamp compared across nodes on purpose: gloo's straggler signal, a rank's call time against its
@@ -115,7 +121,7 @@ def test_node_timestamps_are_only_aged_on_their_own_node_s_clock(rule: dict[str,
     exporter's clock first (tests/rules/clock_skew_test.yml shows what that buys)."""
     texts = [re.sub(r"#[^\n]*", "", rule["expr"]), *rule.get("annotations", {}).values()]
     for text in texts:
-        aged = {m.end() for m in _NODE_AGE.finditer(text)}
+        aged = {m.end() for m in _NODE_AGE.finditer(text)} | {m.start(1) for m in _SCRAPED_WITH_ITS_NODE.finditer(text)}
         assert "time()" not in _RECORDED_AT.sub("", _NODE_AGE.sub("", text)), text
         # Raw series only: a recording rule's name (level:metric:operations) holds its source's name.
         for m in re.finditer(r"(?<![\w:])frexporter_\w+_timestamp_seconds(?![\w:])", text):
