@@ -104,7 +104,7 @@ _RECORDED_AT = re.compile(r"\+ time\(\)$|\(time\(\) - max by \([\w, ]+\) \(\w+:\
 # When Prometheus scraped a node timestamp, against when it scraped that node's poll (or "up"): both are Prometheus'
 # scrape times (a sample's, not its value), so no node clock is read.
 _SCRAPED_WITH_ITS_NODE = re.compile(
-    r"timestamp\((frexporter_\w+_timestamp_seconds)\)\s+>= on \(job, instance\) group_left \(\)\s+max by \(job, "
+    r"timestamp\((frexporter_\w+_timestamp_seconds)\)\s+< on \(job, instance\) group_left \(\)\s+max by \(job, "
     r"instance\) \(timestamp\(" + re.escape(naming.POLL_TIMESTAMP_SECONDS) + r"\) or on \(job, instance\) "
     r"timestamp\(up\)\)")
 # Node timestamps the rules only test for presence or state, never read as a time.
