@@ -15,6 +15,9 @@ and timings (``--interval``, ``--scale`` change them).
    1-day evaluation interval; they keep scraping and federating, and the global federates the shards' last
    exports, so its input keeps its size): the shards share this machine's cores, so each tier's rule time is
    reported measured alone as well as together.
+   ``--floor``: the same, for each Prometheus that scrapes the ranks, with its rules replaced by one group that
+   reads once each series family the rules read (``count(name)``, 16 families): the least any rules that alert on
+   those series can read in a round, whatever their joins. Then its own rules are back for the steps below.
 3. A desync in a data-parallel group whose culprit is on another shard than most of its waiters: until
    FrexporterCollectiveDesync fires on the tier that fires it (the single or the global Prometheus) or a deadline
    passes. Checked: it names exactly the culprit rank and PG, and no desync was pending or firing before the fault.
@@ -48,7 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from benchmarks.scale import real_exposition, time_analyze
+from scripts.rule_tiers import exporter_inputs
 from tests.fleet import (
     JOB_ID,
     RANKS_PER_NODE,
@@ -63,12 +69,13 @@ from tests.fleet import (
     shard_of,
 )
 from tests.promstack import parse_rfc3339
-from tests.rulefile import alert_for
+from tests.rulefile import alert_for, load_rules
 
 DESYNC = "FrexporterCollectiveDesync"
 HEAVIEST_RULES = 12  # the rules each Prometheus reports by their own evaluationTime
 WARMUP_ROUNDS = 1  # the first evaluation after a start or a reload: cold caches, or overlapping a paused group
 PAUSED_INTERVAL = "1d"  # a group's next evaluation lands a day away (its offset in the interval): paused
+FLOOR_GROUP = "floor"
 
 
 # ---------------------------------------------------------------------------------------- watching the rules
@@ -219,6 +226,34 @@ def alone(watcher: Watcher, interval: float, rounds: int, timeout: float) -> dic
     return out
 
 
+def floor_rules(doc: dict[str, Any]) -> str:
+    """One rule group that reads each exporter series family ``doc``'s rules read, once, with ``count``: less than
+    any rules that alert on those series can read in a round, whatever their joins."""
+    rules = [{"record": f"floor:{name}:count", "expr": f"count({name})"} for name in exporter_inputs(doc)]
+    return yaml.safe_dump({"groups": [{"name": FLOOR_GROUP, "rules": rules}]}, sort_keys=False)
+
+
+def floor(watcher: Watcher, server: PromServer, scale: float, rounds: int, timeout: float) -> dict[str, Any]:
+    """The floor group (``floor_rules``) in place of ``server``'s rules for ``rounds`` rounds, then its own back."""
+    shipped = server.rules_path.read_text(encoding="utf-8")
+    doc = load_rules(scale)
+    server.rules_path.write_text(floor_rules(doc), encoding="utf-8")
+    server.reload()
+    since = time.time()
+    try:
+        complete = watcher.until(
+            lambda: len(watcher.rounds(server.name, since).get(FLOOR_GROUP, [])) >= WARMUP_ROUNDS + rounds,
+            time.monotonic() + timeout)
+        until = time.time()
+        families = exporter_inputs(doc)
+        return {"complete": complete, "families": len(families),
+                "round": _stats(watcher.rounds(server.name, since, until).get(FLOOR_GROUP, [])),
+                "reads": watcher.heaviest_rules(server.name, since, until, len(families))}
+    finally:
+        server.rules_path.write_text(shipped, encoding="utf-8")
+        server.reload()
+
+
 def desync(watcher: Watcher, fleet: FakeFleet, culprit: int, pg: str, since: float, timeout: float) -> dict[str, Any]:
     """Injects the fault and waits for the alert; ``since``: when the layout started (ALERTS before the fault since
     then are false desyncs, including any between two polls)."""
@@ -331,6 +366,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["together"] = together(watcher, fleet, args.interval, args.rounds, round_timeout)
             if args.alone and len(layout.servers) > 1:  # one Prometheus: alone is together
                 report["alone"] = alone(watcher, args.interval, args.rounds, round_timeout)
+            if args.floor:
+                report["floor"] = {s.name: floor(watcher, s, args.scale, args.rounds, round_timeout)
+                                   for s in _raw_servers(layout)}
             # The threshold, the alert's "for", then scrapes, evaluations and federation: 10 intervals.
             timeout = args.desync_timeout or (fleet.stuck_threshold_s + alert_for(DESYNC, args.scale)
                                               + 10 * args.interval)
@@ -399,6 +437,11 @@ def _print_rules(r: dict[str, Any]) -> None:
             print(f"\n  {name}: its {len(heavy)} heaviest rules, mean / max ms per evaluation (rounds):")
             for rule, stats in heavy.items():
                 print(f"    {_ms(stats):>22}  {rule}")
+    for name, fl in r.get("floor", {}).items():
+        print(f"\n  {name}, floor: one group reading each of the {fl['families']} series families the rules read, "
+              f"once, with count: {_ms(fl['round'])} ms per round" + ("" if fl["complete"] else " (INCOMPLETE)"))
+        for rule, stats in fl["reads"].items():
+            print(f"    {_ms(stats):>22}  {rule}")
     for name, a in alone_r.items():
         if a["others_evaluated"]:
             print(f"  NOTE: while {name} ran alone, paused groups evaluated anyway: {', '.join(a['others_evaluated'])}")
@@ -440,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=0, help="pipeline stages (default min(8, nodes)); DP = nodes / pp")
     parser.add_argument("--scale", type=float, default=1.0, help="rule timings and fleet thresholds times this")
     parser.add_argument("--alone", action="store_true", help="also time each Prometheus' rules with the others paused")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time, in place of the rules of each Prometheus that scrapes the ranks, one group "
+                             "reading once each series family the rules read (their floor)")
     parser.add_argument("--desync-timeout", type=float, default=0.0, help="seconds to wait for the alert")
     parser.add_argument("--analyze-only", action="store_true",
                         help="rules paused from the start; only time analyze after a desync (a size too large for "

@@ -63,6 +63,18 @@ def _reads(expr: str) -> set[str]:
     return set(_NAME.findall(without_strings))
 
 
+def _raw(reads: set[str], recorded: set[str]) -> set[str]:
+    """The exporters' series (and ``up``) among the names an expression reads: those no rule records."""
+    return {n for n in reads if n.startswith("frexporter_") or n == "up"} - recorded
+
+
+def exporter_inputs(doc: dict[str, Any]) -> list[str]:
+    """Every series family of the exporters (and ``up``) that some rule of ``doc`` reads, sorted."""
+    rules = [r for g in doc["groups"] for r in g["rules"]]
+    recorded = {r["record"] for r in rules if "record" in r}
+    return sorted(set().union(*(_raw(_reads(r["expr"]), recorded) for r in rules)))
+
+
 def classify(doc: dict[str, Any]) -> dict[str, str]:
     """Each rule's tier, by name (alerts and records), in the file's order.
 
@@ -76,7 +88,7 @@ def classify(doc: dict[str, Any]) -> dict[str, str]:
     for rule in rules:
         name = rule.get("record") or rule["alert"]
         reads = _reads(rule["expr"])
-        raw = {n for n in reads if n.startswith("frexporter_") or n == "up"} - recorded
+        raw = _raw(reads, recorded)
         records = reads & recorded
         unknown = [r for r in records if r not in tiers and not EXPORT.match(r)]
         if unknown:

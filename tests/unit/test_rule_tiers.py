@@ -83,3 +83,18 @@ def test_a_rule_across_the_tiers_the_wrong_way_is_refused(expr: str, why: str) -
 def test_the_tier_files_say_they_are_generated() -> None:
     for path in rule_tiers.TIER_FILES.values():
         assert "Generated from frexporter.rules.yml by scripts/rule_tiers.py" in (REPO / path).read_text()
+
+
+def test_exporter_inputs_are_the_exporters_series_the_rules_read_and_no_record() -> None:
+    doc = {"groups": [{"name": "g", "rules": [
+        {"record": "job_id:frexporter_rank_up:sum", "expr": "sum by (job_id) (frexporter_rank_up)"},
+        {"alert": "A", "expr": 'job_id:frexporter_rank_up:sum < 1 and on () up{job="x"}  # frexporter_in_comment'},
+        {"alert": "B", "expr": 'label_replace(frexporter_rank_info, "a", "frexporter_in_string", "", "")'},
+    ]}]}
+    assert rule_tiers.exporter_inputs(doc) == ["frexporter_rank_info", "frexporter_rank_up", "up"]
+    shipped = rule_tiers.exporter_inputs(load_rules())
+    metrics = {v for v in vars(naming).values() if isinstance(v, str) and v.startswith(naming.PREFIX)}
+    assert set(shipped) - {"up"} <= metrics
+    assert {naming.PG_LAST_ENQUEUED_SEQ, naming.RANK_UP} <= set(shipped)
+    # Only the shard tier reads them: the global tier reads exports.
+    assert rule_tiers.exporter_inputs(rule_tiers.split(load_rules())[rule_tiers.GLOBAL]) == []
