@@ -74,6 +74,40 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _spawn_victoria_metrics(daemons: Daemons, binary: str, workdir: Path, url: str) -> None:
+    daemons.spawn("victoria-metrics", [
+        binary, f"-storageDataPath={workdir / 'vm-data'}", f"-httpListenAddr={url.split('//')[1]}",
+        # By default victoria-metrics answers a query for any time less than 30 s ago as of 30 s ago (unless it
+        # says nocache=1, which vmalert 1.79 does not): every alert would come 30 s late. vmalert's
+        # -datasource.lookback (VmStack) allows for the data's delay instead, by one evaluation interval.
+        "-search.latencyOffset=0s",
+    ])
+    wait_for(lambda: daemons.alive("victoria-metrics") and _healthy(url), timeout=START_TIMEOUT_S, interval=0.05,
+             what="victoria-metrics healthy")
+
+
+@contextmanager
+def running_victoria_metrics(workdir: Path) -> Iterator[str]:
+    """victoria-metrics alone (no scraper, no ruler) for the ``with`` block: its URL, for data a test imports
+    (``import_samples``) and queries it makes itself."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    daemons = Daemons(workdir)
+    url = f"http://127.0.0.1:{free_port()}"
+    try:
+        _spawn_victoria_metrics(daemons, binaries()[0], workdir, url)
+        yield url
+    finally:
+        daemons.stop()
+
+
+def import_samples(url: str, lines: Sequence[str]) -> None:
+    """Writes samples to victoria-metrics at ``url``: Prometheus text lines, each with its timestamp (ms)."""
+    body = "".join(line + "\n" for line in lines).encode()
+    request = urllib.request.Request(f"{url}/api/v1/import/prometheus", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as resp:
+        resp.read()
+
+
 class VmStack:
     """Handles of a running victoria-metrics + vmagent + vmalert."""
 
@@ -109,15 +143,7 @@ class VmStack:
             "global": {"scrape_interval": interval, "scrape_timeout": interval},
             "scrape_configs": self.scrape_jobs,
         }), encoding="utf-8")
-        self._daemons.spawn("victoria-metrics", [
-            victoria_metrics, f"-storageDataPath={self.workdir / 'vm-data'}",
-            f"-httpListenAddr={self.vm_url.split('//')[1]}",
-            # By default victoria-metrics answers a query for any time less than 30 s ago as of 30 s ago (unless it
-            # says nocache=1, which vmalert 1.79 does not): every alert would come 30 s late. vmalert's
-            # -datasource.lookback below allows for the data's delay instead, by one evaluation interval.
-            "-search.latencyOffset=0s",
-        ])
-        self._wait_healthy("victoria-metrics", self.vm_url)
+        _spawn_victoria_metrics(self._daemons, victoria_metrics, self.workdir, self.vm_url)
         self._daemons.spawn("vmagent", [
             vmagent, f"-promscrape.config={scrape_config}", f"-remoteWrite.url={self.vm_url}/api/v1/write",
             f"-remoteWrite.tmpDataPath={self.workdir / 'vmagent-data'}",
