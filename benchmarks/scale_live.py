@@ -16,8 +16,8 @@ and timings (``--interval``, ``--scale`` change them).
    exports, so its input keeps its size): the shards share this machine's cores, so each tier's rule time is
    reported measured alone as well as together.
    ``--floor``: the same, for each Prometheus that scrapes the ranks, with its rules replaced by one group that
-   reads once each series family the rules read (``count(name)``, 16 families): the least any rules that alert on
-   those series can read in a round, whatever their joins. Then its own rules are back for the steps below.
+   reads once each series family the rules read (``count(name)``): the least any rules that alert on those series
+   can read in a round, whatever their joins. Then its own rules are back for the steps below.
 3. A desync in a data-parallel group whose culprit is on another shard than most of its waiters: until
    FrexporterCollectiveDesync fires on the tier that fires it (the single or the global Prometheus) or a deadline
    passes. Checked: it names exactly the culprit rank and PG, and no desync was pending or firing before the fault.
