@@ -226,18 +226,18 @@ def alone(watcher: Watcher, interval: float, rounds: int, timeout: float) -> dic
     return out
 
 
-def floor_rules(doc: dict[str, Any]) -> str:
-    """One rule group that reads each exporter series family ``doc``'s rules read, once, with ``count``: less than
-    any rules that alert on those series can read in a round, whatever their joins."""
-    rules = [{"record": f"floor:{name}:count", "expr": f"count({name})"} for name in exporter_inputs(doc)]
+def floor_rules(families: list[str]) -> str:
+    """One rule group that reads each of ``families`` (those the rules read: ``exporter_inputs``) once, with
+    ``count``: less than any rules that alert on those series can read in a round, whatever their joins."""
+    rules = [{"record": f"floor:{name}:count", "expr": f"count({name})"} for name in families]
     return yaml.safe_dump({"groups": [{"name": FLOOR_GROUP, "rules": rules}]}, sort_keys=False)
 
 
 def floor(watcher: Watcher, server: PromServer, scale: float, rounds: int, timeout: float) -> dict[str, Any]:
     """The floor group (``floor_rules``) in place of ``server``'s rules for ``rounds`` rounds, then its own back."""
     shipped = server.rules_path.read_text(encoding="utf-8")
-    doc = load_rules(scale)
-    server.rules_path.write_text(floor_rules(doc), encoding="utf-8")
+    families = exporter_inputs(load_rules(scale))
+    server.rules_path.write_text(floor_rules(families), encoding="utf-8")
     server.reload()
     since = time.time()
     try:
@@ -245,7 +245,6 @@ def floor(watcher: Watcher, server: PromServer, scale: float, rounds: int, timeo
             lambda: len(watcher.rounds(server.name, since).get(FLOOR_GROUP, [])) >= WARMUP_ROUNDS + rounds,
             time.monotonic() + timeout)
         until = time.time()
-        families = exporter_inputs(doc)
         return {"complete": complete, "families": len(families),
                 "round": _stats(watcher.rounds(server.name, since, until).get(FLOOR_GROUP, [])),
                 "reads": watcher.heaviest_rules(server.name, since, until, len(families))}
