@@ -38,4 +38,9 @@ STUCK_MULTIPLE = 3.0  # learned threshold = this x the PG's high quantile of wai
 STUCK_QUANTILE = 0.99  # the high quantile the learned threshold multiplies
 STUCK_MIN_SAMPLES = 20  # samples a PG needs before its threshold is learned
 STUCK_HISTORY = 1024  # samples kept per PG (the newest): about 17 minutes of a job that completes every poll
+# A rank's wait in a collective is exported (frexporter_pg_wait_*) once it has lasted this share of its PG's stuck
+# threshold: early enough that the rules, which judge the wait against the threshold themselves, see it before it
+# counts; late enough that a healthy job's waits hardly ever show (the learned threshold is at least three times
+# their 99th percentile).
+WAIT_REPORT_SHARE = 0.5
 DEMO_RANKS = 4  # gloo ranks of `frexporter demo`

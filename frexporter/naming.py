@@ -73,6 +73,19 @@ PG_TIMEOUT_SECONDS = PREFIX + "pg_timeout_seconds"
 PG_STUCK_THRESHOLD_SECONDS = PREFIX + "pg_stuck_threshold_seconds"  # learned, docs/detection.md
 PG_STUCK_CEILING_SECONDS = PREFIX + "pg_stuck_ceiling_seconds"  # --stuck-after: a busy culprit's threshold
 PG_LAST_PROGRESS_TIMESTAMP_SECONDS = PREFIX + "pg_last_progress_timestamp_seconds"
+# Waits: per rank and PG, only while the rank is up and its oldest in-flight collective has waited a share of the
+# PG's stuck threshold (defaults.WAIT_REPORT_SHARE) on this node's clock. Absent for the short waits of a healthy
+# job, so rules that look for stuck collectives read a handful of series instead of every rank's seqs
+# (docs/scale.md, "Waits").
+PG_WAIT_START_TIMESTAMP_SECONDS = PREFIX + "pg_wait_start_timestamp_seconds"  # when the wait began
+PG_WAIT_SEQ = PREFIX + "pg_wait_seq"  # the collective waited on: the completed seq + 1
+PG_WAIT_LIMIT_SECONDS = PREFIX + "pg_wait_limit_seconds"  # label `limit`: one of WAIT_LIMITS
+PG_WAIT_GROUP_SIZE = PREFIX + "pg_wait_group_size"  # ranks in the PG: a stall is a wait of every one
+L_LIMIT = "limit"
+WAIT_LIMIT_STUCK = "stuck"  # the PG's stuck threshold
+WAIT_LIMIT_CEILING = "ceiling"  # its ceiling, a busy culprit's threshold (--stuck-after)
+WAIT_LIMIT_TIMEOUT = "timeout"  # its watchdog timeout
+WAIT_LIMITS = (WAIT_LIMIT_STUCK, WAIT_LIMIT_CEILING, WAIT_LIMIT_TIMEOUT)
 
 # Collectives
 COLLECTIVE_DURATION_SECONDS = PREFIX + "collective_duration_seconds"
@@ -106,6 +119,7 @@ RANK_INFO_LABELS = (
     L_TORCH_VERSION,
     L_GPU_UUID,
 )
+PG_WAIT_LIMIT_LABELS = (*PG_LABELS, L_LIMIT)
 PG_STATIC_LABELS = (L_JOB_ID, L_PG, L_PG_DESC)  # per node: the timeout, the stuck threshold
 PG_INFO_LABELS = (*PG_STATIC_LABELS, L_SIZE, L_BACKEND)
 VERDICT_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_RANK, L_KIND, L_OP, L_SEQ, L_CULPRIT_STATE, L_CULPRIT_FUNCTION)

@@ -8,7 +8,8 @@ data-parallel group (``dp<i>``: the ranks of one local rank on the nodes of one 
 node * 8 + local rank. Healthy, every PG runs 10 collectives per 15 s step (times ``scale``) in lock step, each in
 flight for the first half of its slot, so a scrape catches ranks in flight as it does a real job; heartbeats and the
 poll time are the time of the request. ``desync`` hangs the job the way FrexporterCollectiveDesync describes;
-``straggle`` slows one rank down the way FrexporterStraggler describes.
+``straggle`` slows one rank down the way FrexporterStraggler describes. A fault's waits (``frexporter_pg_wait_*``)
+appear as the exporter writes them, once they have lasted half the stuck threshold.
 
 ``PromLayout`` runs Prometheus on that fleet: ``single`` (one Prometheus, the canonical rules) or ``tiered`` (K
 shards, each scraping its ``hashmod`` share of the nodes with the shard tier of the rules and the external label
@@ -42,6 +43,8 @@ from typing import Any
 import yaml
 
 from benchmarks.scale import Series, parse_exposition, real_exposition
+from frexporter import naming as n
+from frexporter.defaults import WAIT_REPORT_SHARE
 from scripts import rule_tiers
 from tests.harness import free_port, metrics, wait_for
 from tests.promstack import get_json, instant_query
@@ -71,6 +74,8 @@ PROGRESS = "frexporter_pg_last_progress_timestamp_seconds"
 OLDEST = "frexporter_pg_oldest_inflight_start_timestamp_seconds"
 THRESHOLD = "frexporter_pg_stuck_threshold_seconds"
 CEILING = "frexporter_pg_stuck_ceiling_seconds"
+TIMEOUT = "frexporter_pg_timeout_seconds"
+WAIT_FAMILIES = (n.PG_WAIT_START_TIMESTAMP_SECONDS, n.PG_WAIT_SEQ, n.PG_WAIT_LIMIT_SECONDS, n.PG_WAIT_GROUP_SIZE)
 ACTIVITY = "frexporter_rank_activity_since_timestamp_seconds"
 NOW_FAMILIES = frozenset({"frexporter_poll_timestamp_seconds", "frexporter_rank_heartbeat_timestamp_seconds",
                           "frexporter_source_last_success_timestamp_seconds"})
@@ -367,6 +372,8 @@ class NodeRenderer:
         out: list[str] = []
         flying: list[str] = []
         for fam in self.families:
+            if fam.name in WAIT_FAMILIES:
+                continue  # none in the template's steady state; a fault's waits come whole (_pg_waits)
             out.append(_escape(fam.header))
             if fam.name == OLDEST:
                 lines = self._oldest(node, state)
@@ -378,7 +385,36 @@ class NodeRenderer:
                 out.extend(self._sample(node, s, state))
         if isinstance(state, Straggler):
             out.extend(self._waits(node, state))
+        if isinstance(state, Desync | Skew):
+            # The exporter's waits (frexporter_pg_wait_*): every wait of these states began at state.at, so they
+            # show together, once that is WAIT_REPORT_SHARE of the stuck threshold ago (FakeFleet.render).
+            out.append("%(inflight)s")
+            flying = self._pg_waits(node, state)
         return "".join(out), "".join(flying)
+
+    def _limit(self, name: str) -> float:
+        family = next(f for f in self.families if f.name == name)
+        return family.samples[0].value * (self.scale if name in (THRESHOLD, CEILING) else 1.0)
+
+    def _pg_waits(self, node: int, state: Desync | Skew) -> list[str]:
+        limits = {n.WAIT_LIMIT_STUCK: self._limit(THRESHOLD), n.WAIT_LIMIT_CEILING: self._limit(CEILING),
+                  n.WAIT_LIMIT_TIMEOUT: self._limit(TIMEOUT)}
+        fams: dict[str, list[str]] = {name: [] for name in WAIT_FAMILIES}
+        for local in range(RANKS_PER_NODE):
+            rank = node * RANKS_PER_NODE + local
+            for pg in self.topo.pgs(rank):
+                values = state.pg(rank, pg)
+                if values.oldest is None:
+                    continue
+                labels = {"job_id": JOB_ID, "pg": pg.name, "pg_desc": pg.desc, "rank": str(rank)}
+                fams[n.PG_WAIT_START_TIMESTAMP_SECONDS].append(_line(n.PG_WAIT_START_TIMESTAMP_SECONDS, labels,
+                                                                     values.oldest))
+                fams[n.PG_WAIT_SEQ].append(_line(n.PG_WAIT_SEQ, labels, str(int(values.completed) + 1)))
+                fams[n.PG_WAIT_GROUP_SIZE].append(_line(n.PG_WAIT_GROUP_SIZE, labels, str(pg.size)))
+                for limit, seconds in limits.items():
+                    fams[n.PG_WAIT_LIMIT_SECONDS].append(_line(n.PG_WAIT_LIMIT_SECONDS,
+                                                               {**labels, n.L_LIMIT: limit}, _num(seconds)))
+        return [_escape(f"# TYPE {name} gauge\n") + "".join(lines) for name, lines in fams.items()]
 
     def _waits(self, node: int, state: Straggler) -> list[str]:
         lines = [f"# HELP {WAIT} Seconds the rank waits inside this PG's collectives.\n# TYPE {WAIT} gauge\n"]
@@ -583,7 +619,11 @@ class FakeFleet:
         text, flying = texts[node]
         values: dict[str, Any] = state.at(now) if isinstance(state, Healthy) else {}
         values["now"] = f"{now:.3f}"
-        values["inflight"] = flying % values if values.get("flying") else ""
+        if isinstance(state, Healthy):
+            values["inflight"] = flying % values if values.get("flying") else ""
+        else:  # the waits, once the exporter would write them (NodeRenderer.render)
+            due = now - state.at >= WAIT_REPORT_SHARE * self.stuck_threshold_s
+            values["inflight"] = flying % values if due else ""
         self.requests += 1
         return (text % values).encode()
 
@@ -815,9 +855,11 @@ class PromLayout:
         self.alerting = alerting  # the one that fires the cross-node alerts: the single or the global Prometheus
 
     @classmethod
-    def single(cls, fleet: FakeFleet, workdir: Path, interval: float = 15.0, scale: float = 1.0) -> PromLayout:
+    def single(cls, fleet: FakeFleet, workdir: Path, interval: float = 15.0, scale: float = 1.0,
+               rules: str | None = None) -> PromLayout:
+        """``rules``: a rule file's text in place of the canonical rules (benchmarks/scale_live.py's designs)."""
         config = {**_global_config(interval), "scrape_configs": [fleet_job(fleet)]}
-        server = PromServer("single", workdir, config, render_rules(scale), interval)
+        server = PromServer("single", workdir, config, render_rules(scale) if rules is None else rules, interval)
         return cls(fleet, workdir, "single", [server], [], server)
 
     @classmethod
@@ -900,9 +942,11 @@ def running(fleet: FakeFleet, *layouts: Callable[[], PromLayout]) -> Iterator[li
 
 
 def layout_factory(kind: str, fleet: FakeFleet, workdir: Path, shards: int = 2, interval: float = 15.0,
-                   scale: float = 1.0) -> Callable[[], PromLayout]:
+                   scale: float = 1.0, rules: str | None = None) -> Callable[[], PromLayout]:
     if kind == "single":
-        return functools.partial(PromLayout.single, fleet, workdir, interval, scale)
+        return functools.partial(PromLayout.single, fleet, workdir, interval, scale, rules)
+    if rules is not None:
+        raise ValueError("other rules than the canonical ones run on the single layout only")
     if kind == "tiered":
         return functools.partial(PromLayout.tiered, fleet, workdir, shards, interval, scale)
     raise ValueError(f"no layout {kind!r}")

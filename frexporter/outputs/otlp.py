@@ -109,6 +109,8 @@ _ANNOTATIONS: Mapping[str, str] = {
     n.PG_LAST_STARTED_SEQ: "{collective}",
     n.PG_LAST_COMPLETED_SEQ: "{collective}",
     n.PG_INFLIGHT_COLLECTIVES: "{collective}",
+    n.PG_WAIT_SEQ: "{collective}",
+    n.PG_WAIT_GROUP_SIZE: "{rank}",
     n.GPU_REMAPPED_ROWS: "{row}",
 }
 _NOT_PUSHED = frozenset({n.BUILD_INFO})  # the resource's service.version says it

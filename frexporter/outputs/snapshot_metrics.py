@@ -10,6 +10,7 @@ from prometheus_client.utils import floatToGoString
 
 from frexporter import __version__
 from frexporter import naming as n
+from frexporter.defaults import WAIT_REPORT_SHARE
 from frexporter.model import ACTIVITY_STATES, DURATION_BUCKETS, UNKNOWN_ACTIVITY, NodeSnapshot, PGState, RankState
 
 _LE = tuple(floatToGoString(b) for b in DURATION_BUCKETS)
@@ -17,6 +18,19 @@ _LE = tuple(floatToGoString(b) for b in DURATION_BUCKETS)
 
 def _pg_labels(rank: RankState, pg: PGState) -> list[str]:
     return [rank.job_id, str(rank.rank), pg.name, pg.desc]
+
+
+def reported_wait(rank: RankState, pg: PGState, now: float) -> float | None:
+    """The start of the rank's wait in the PG's oldest in-flight collective, if it is one the waits report: the
+    rank is up, a collective is enqueued and not completed (seqs are collective-domain: a p2p op is no wait), and
+    it has waited WAIT_REPORT_SHARE of the PG's stuck threshold (of its ceiling where none is learned) at ``now``,
+    on this node's clock. None otherwise, and where the PG knows no threshold at all."""
+    first = pg.oldest_inflight
+    limit = pg.stuck_threshold_seconds if pg.stuck_threshold_seconds is not None else pg.stuck_ceiling_seconds
+    if (not rank.up or first is None or pg.inflight_count <= 0 or pg.last_enqueued <= pg.last_completed
+            or limit is None or now - first.created < WAIT_REPORT_SHARE * limit):
+        return None
+    return first.created
 
 
 class _PGFacts:
@@ -169,6 +183,18 @@ class SnapshotCollector(Collector):
                                     "collectives every node picks for the current grid instant (stamped with its "
                                     "time): compares across nodes up to their clock offset, the last arriver calls "
                                     "latest; gloo (no completion recorded), with --collective-waits.", labels=labels)
+        wait_start = GaugeMetricFamily(n.PG_WAIT_START_TIMESTAMP_SECONDS,
+                                       "Unix time, on this node's clock, the rank's wait in the PG's oldest in-flight "
+                                       "collective began; only while the rank is up and has waited "
+                                       f"{WAIT_REPORT_SHARE:.0%} of the PG's stuck threshold.", labels=labels)
+        wait_seq = GaugeMetricFamily(n.PG_WAIT_SEQ, "The collective seq that wait is on (the completed seq + 1); "
+                                     "only beside its start.", labels=labels)
+        wait_limit = GaugeMetricFamily(n.PG_WAIT_LIMIT_SECONDS,
+                                       "The waiting rank's limits for the PG (`limit`: stuck, the learned threshold; "
+                                       "ceiling, --stuck-after; timeout, the watchdog's); only beside a wait's start.",
+                                       labels=list(n.PG_WAIT_LIMIT_LABELS))
+        wait_size = GaugeMetricFamily(n.PG_WAIT_GROUP_SIZE, "Ranks in the PG the rank waits in; only beside a wait's "
+                                      "start.", labels=labels)
         # Kept for one release so queries written against the first name keep working (CHANGELOG.md).
         straggler_old = GaugeMetricFamily(n.RANK_STRAGGLER_SCORE_DEPRECATED,
                                           f"Deprecated, removed in the next release: use "
@@ -192,6 +218,16 @@ class SnapshotCollector(Collector):
                 # alone as "waits in a collective" (a p2p op in flight is not one), never joining the seqs.
                 if first is not None and pg.inflight_count > 0 and pg.last_enqueued > pg.last_completed:
                     oldest.add_sample(oldest.name, key, first.created)
+                start = reported_wait(r, pg, snap.time)
+                if start is not None:
+                    wait_start.add_sample(wait_start.name, key, start)
+                    wait_seq.add_sample(wait_seq.name, key, pg.last_completed + 1)
+                    wait_size.add_sample(wait_size.name, key, pg.size)
+                    for limit, seconds in ((n.WAIT_LIMIT_STUCK, pg.stuck_threshold_seconds),
+                                           (n.WAIT_LIMIT_CEILING, pg.stuck_ceiling_seconds),
+                                           (n.WAIT_LIMIT_TIMEOUT, pg.timeout_seconds)):
+                        if seconds is not None:
+                            wait_limit.add_sample(wait_limit.name, {**key, n.L_LIMIT: limit}, seconds)
                 if pg.last_progress is not None:
                     progress.add_sample(progress.name, key, pg.last_progress)
                 if pg.lateness_seconds is not None:
@@ -211,8 +247,8 @@ class SnapshotCollector(Collector):
                 threshold.add_metric([job_id, name, desc], facts.threshold)
             if facts.ceiling is not None:
                 ceiling.add_metric([job_id, name, desc], facts.ceiling)
-        yield from (info, enq, started, done, inflight, oldest, timeout, threshold, ceiling, progress, straggler,
-                    straggler_old, wait, arrival)
+        yield from (info, enq, started, done, inflight, oldest, timeout, threshold, ceiling, progress, wait_start,
+                    wait_seq, wait_limit, wait_size, straggler, straggler_old, wait, arrival)
 
     @staticmethod
     def _collectives(snap: NodeSnapshot) -> Iterator[Metric]:

@@ -40,6 +40,13 @@ def test_missing_rank_verdict_everywhere_with_evidence(job_factory, exporter_fac
     assert sample(parsed, n.VERDICT, job_id="job", pg="0", rank="1", kind="missing_rank", op="all_reduce",
                   seq="4") == 1
     assert len(parsed[n.VERDICT]) == 1  # one series per culprit, none for the waiting rank
+    # The waits the rules read: the waiting rank's, on the seq it waits on, with its PG's limits; none for the
+    # culprit, which waits in nothing.
+    assert [labels["rank"] for labels, _ in parsed[n.PG_WAIT_START_TIMESTAMP_SECONDS]] == ["0"]
+    assert sample(parsed, n.PG_WAIT_SEQ, job_id="job", pg="0", rank="0") == 4
+    assert sample(parsed, n.PG_WAIT_GROUP_SIZE, job_id="job", pg="0", rank="0") == 2
+    limits = {labels[n.L_LIMIT]: value for labels, value in parsed[n.PG_WAIT_LIMIT_SECONDS]}
+    assert limits[n.WAIT_LIMIT_TIMEOUT] == 120 and 0 < limits[n.WAIT_LIMIT_STUCK] <= limits[n.WAIT_LIMIT_CEILING] == 2
     assert "Rank 1 never joined" in exp.get("/")
 
     bundle_root = job.spool / "evidence"

@@ -80,10 +80,10 @@ def reference_node(node: int = 1) -> NodeSnapshot:
 
 def every_series_node(opt_in: Collection[str] = ()) -> NodeSnapshot:
     """The reference node in a state where every per-rank series it can have is written: each PG with NCCL
-    timing (a started seq) and a collective in flight, a recorder error on each rank, a verdict naming them
-    all, collective durations; plus the series of the serve flags in ``opt_in`` (OPT_IN_FLAGS). Which metric
-    names carry ``rank`` is read from its exposition; its counts mean nothing (no real node is in every state
-    at once: both cross-node straggler signals, for instance)."""
+    timing (a started seq) and a collective in flight past its stuck threshold, a recorder error on each rank, a
+    verdict naming them all, collective durations; plus the series of the serve flags in ``opt_in``
+    (OPT_IN_FLAGS). Which metric names carry ``rank`` is read from its exposition; its counts mean nothing (no real
+    node is in every state at once: both cross-node straggler signals, for instance)."""
     unknown = set(opt_in) - set(OPT_IN_FLAGS)
     if unknown:
         raise ValueError(f"not an opt-in flag of every_series_node: {sorted(unknown)}")
@@ -98,6 +98,7 @@ def every_series_node(opt_in: Collection[str] = ()) -> NodeSnapshot:
                                            timeout_seconds=pg.timeout_seconds),)
             pgs.append(replace(pg, last_enqueued=pg.last_completed + 1, last_started=pg.last_completed + 1,
                                inflight=inflight, inflight_count=1,
+                               stuck_threshold_seconds=10.0, stuck_ceiling_seconds=60.0,  # waited past both
                                wait_seconds=0.01 if waits else None, wait_samples=200 if waits else 0,
                                arrival_timestamp=NOW - 1.0 if waits else None,
                                arrival_stamp=NOW - 1.0 if waits else None))
