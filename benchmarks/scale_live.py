@@ -18,8 +18,9 @@ and timings (``--interval``, ``--scale`` change them).
    ``--floor``: the same, for each Prometheus that scrapes the ranks, with its rules replaced by one group that
    reads once each series family the rules read (``count(name)``): the least any rules that alert on those series
    can read in a round, whatever their joins. Then its own rules are back for the steps below.
-   ``--design NAME`` (single layout): the whole run with a design's rule groups (benchmarks/designs/) in place of
-   the shipped groups of the same name: how a change of the rules would cost before it is made.
+   ``--design NAME``: the whole run with a design's rule groups (benchmarks/designs/) in place of the shipped
+   groups of the same name (split into the tiers like them): how a change of the rules would cost before it is
+   made.
 3. A desync in a data-parallel group whose culprit is on another shard than most of its waiters: until
    FrexporterCollectiveDesync fires on the tier that fires it (the single or the global Prometheus) or a deadline
    passes. Checked: it names exactly the culprit rank and PG, and no desync was pending or firing before the fault.
@@ -522,12 +523,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --analyze-only: the hang spreads into the tensor-parallel group of every waiter "
                              "(their nodes' other ranks wait in it), as on a real job")
     parser.add_argument("--design", choices=sorted(DESIGNS),
-                        help="single layout: measure the rule groups of a design (benchmarks/designs/) in place of "
-                             "the shipped groups of the same name")
+                        help="measure the rule groups of a design (benchmarks/designs/) in place of the shipped "
+                             "groups of the same name (split into tiers like them)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, TSDBs)")
     args = parser.parse_args(argv)
-    if args.design and (args.layout != "single" or args.floor):
-        parser.error("--design runs on the single layout, without --floor")
+    if args.design and args.floor:
+        parser.error("--design runs without --floor")
     report = run(args)
     emit(report, args.json, print_report)
     analyzed = all(a["correct"] for key, a in report["analyze"].items() if key != "servers")

@@ -864,8 +864,10 @@ class PromLayout:
 
     @classmethod
     def tiered(cls, fleet: FakeFleet, workdir: Path, shards: int = 2, interval: float = 15.0,
-               scale: float = 1.0, honor_timestamps: bool | None = FEDERATE_HONOR_TIMESTAMPS) -> PromLayout:
-        doc = yaml.safe_load(render_rules(scale))
+               scale: float = 1.0, honor_timestamps: bool | None = FEDERATE_HONOR_TIMESTAMPS,
+               rules: str | None = None) -> PromLayout:
+        """``rules``: as for ``single``, split into the two tiers the same way."""
+        doc = yaml.safe_load(render_rules(scale) if rules is None else rules)
         shard_rules = rule_tiers.render(doc, rule_tiers.SHARD)
         servers = [
             PromServer(shard_name(i), workdir,
@@ -945,10 +947,8 @@ def layout_factory(kind: str, fleet: FakeFleet, workdir: Path, shards: int = 2, 
                    scale: float = 1.0, rules: str | None = None) -> Callable[[], PromLayout]:
     if kind == "single":
         return functools.partial(PromLayout.single, fleet, workdir, interval, scale, rules)
-    if rules is not None:
-        raise ValueError("other rules than the canonical ones run on the single layout only")
     if kind == "tiered":
-        return functools.partial(PromLayout.tiered, fleet, workdir, shards, interval, scale)
+        return functools.partial(PromLayout.tiered, fleet, workdir, shards, interval, scale, rules=rules)
     raise ValueError(f"no layout {kind!r}")
 
 

@@ -8,6 +8,7 @@ once the scenario's collectives are done. The rank never decides when the test i
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import signal
 import sys
@@ -166,10 +167,14 @@ elif scenario == "culprit":
     # rank 0 waits in an all_reduce that rank 1 does not join: rank 1 computes in Python (JOB_CULPRIT=busy)
     # or sleeps (idle) in a function whose name the test looks for among its sampled frames.
     def culprit_busy_checkpoint() -> None:
-        x = 0
+        # A whole core of work that lets go of the GIL, as a checkpoint's hashing and writing and torch's
+        # compute do. With a loop of Python bytecode here (which gives the GIL up only at the switch interval)
+        # the recorder's thread fell behind on one 2-core VM, 4 runs in 6: its heartbeat went stale (the rank
+        # read as wedged) or the rank was not seen before the test's deadline.
+        block = os.urandom(1 << 20)
         while not os.path.exists(os.path.join(control, "stop")):
-            for i in range(100_000):
-                x += i * i
+            for _ in range(20):
+                hashlib.sha256(block).digest()
 
     def culprit_idle_wait_for_data() -> None:
         while not os.path.exists(os.path.join(control, "stop")):
