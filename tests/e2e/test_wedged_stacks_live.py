@@ -139,7 +139,10 @@ def test_wedged_rank_shows_py_spy_stack_of_the_function_holding_the_gil(job_fact
     assert verdict["activity"]["0"]["frames"] == activity["frames"]
     assert "py-spy finds its main thread in hold_gil (job.py:" in verdict["summary"], verdict["summary"]
     page = exp.get("/") or ""
-    assert "wedged in hold_gil (job.py:54) (py-spy)" in page
+    # The line of hold_gil's usleep call, where py-spy finds the main thread (read, not spelled: job.py moves).
+    source = (REPO / "tests" / "workers" / "job.py").read_text(encoding="utf-8").splitlines()
+    usleep = next(i for i, line in enumerate(source, 1) if "libc.usleep(int(" in line)
+    assert f"wedged in hold_gil (job.py:{usleep}) (py-spy)" in page
     job.wait_ready("unwedged", ranks=[0], timeout=30)
     # One run for the exporter's activity and one for the evidence bundle, over ~50 polls of a 12 s wedge.
     runs = calls.read_text().splitlines()
