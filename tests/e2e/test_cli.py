@@ -196,7 +196,9 @@ def test_deep_interval_spaces_the_routine_reads_of_a_busy_rank(tmp_path: Path) -
                 pytest.fail(f"serve --deep-interval {interval} exited: {proc.stderr.read()}")  # type: ignore[union-attr]
             code, body = http_get(f"http://127.0.0.1:{port}/api/v1/status")
             ranks = json.loads(body)["ranks"] if code == 200 else []
-            return ranks[0] if ranks and ranks[0]["last_deep_read"] is not None else {}
+            # A rank is published before its first collective: until then it has no PG to count progress in.
+            seen = ranks and ranks[0]["last_deep_read"] is not None and ranks[0]["process_groups"]
+            return ranks[0] if seen else {}
 
         def completed(rank: dict) -> int:
             return max(pg["last_completed_seq"] for pg in rank["process_groups"])
