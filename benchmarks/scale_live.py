@@ -18,9 +18,6 @@ and timings (``--interval``, ``--scale`` change them).
    ``--floor``: the same, for each Prometheus that scrapes the ranks, with its rules replaced by one group that
    reads once each series family the rules read (``count(name)``): the least any rules that alert on those series
    can read in a round, whatever their joins. Then its own rules are back for the steps below.
-   ``--design NAME``: the whole run with a design's rule groups (benchmarks/designs/) in place of the shipped
-   groups of the same name (split into the tiers like them): how a change of the rules would cost before it is
-   made.
 3. A desync in a data-parallel group whose culprit is on another shard than most of its waiters: until
    FrexporterCollectiveDesync fires on the tier that fires it (the single or the global Prometheus) or a deadline
    passes. Checked: it names exactly the culprit rank and PG, and no desync was pending or firing before the fault.
@@ -57,7 +54,7 @@ from typing import Any
 import yaml
 
 from benchmarks.scale import real_exposition, time_analyze
-from scripts.rule_tiers import dump, exporter_inputs
+from scripts.rule_tiers import exporter_inputs
 from tests.fleet import (
     JOB_ID,
     RANKS_PER_NODE,
@@ -79,27 +76,6 @@ HEAVIEST_RULES = 12  # the rules each Prometheus reports by their own evaluation
 WARMUP_ROUNDS = 1  # the first evaluation after a start or a reload: cold caches, or overlapping a paused group
 PAUSED_INTERVAL = "1d"  # a group's next evaluation lands a day away (its offset in the interval): paused
 FLOOR_GROUP = "floor"
-# --design: rule groups measured in place of the shipped ones of the same name (benchmarks/designs/), and the
-# renames they need in the shipped groups they leave in place.
-DESIGNS: dict[str, tuple[Path, dict[str, str]]] = {
-    "waits": (Path(__file__).resolve().parent / "designs" / "waits.rules.yml",
-              {"frexporter_pg_last_enqueued_seq:max[5m]": "frexporter_pg_last_enqueued_seq:low[5m]"}),
-}
-
-
-def design_rules(name: str, scale: float) -> str:
-    """The shipped rules with the groups of design ``name`` in place of theirs (DESIGNS) and its new groups after
-    them, as a rule file. (A group's own ``interval`` is not scaled.)"""
-    path, renames = DESIGNS[name]
-    design = {g["name"]: g for g in load_rules(scale, path)["groups"]}
-    groups = []
-    for group in load_rules(scale)["groups"]:
-        group = design.pop(group["name"], group)
-        for rule in group["rules"]:
-            for old, new in renames.items():
-                rule["expr"] = rule["expr"].replace(old, new)
-        groups.append(group)
-    return dump({"groups": [*groups, *design.values()]})
 
 
 # ---------------------------------------------------------------------------------------- watching the rules
@@ -373,10 +349,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "stuck_threshold_s": fleet.stuck_threshold_s,
     }
     round_timeout = (WARMUP_ROUNDS + args.rounds + 4) * args.interval * 3 + 120
-    if args.design:
-        report["design"] = args.design
-    make = layout_factory(args.layout, fleet, workdir, max(args.shards, 1), args.interval, args.scale,
-                          design_rules(args.design, args.scale) if args.design else None)
+    make = layout_factory(args.layout, fleet, workdir, max(args.shards, 1), args.interval, args.scale)
     try:
         started = time.time()
         with running(fleet, make) as (layout,):
@@ -422,9 +395,6 @@ def print_report(r: dict[str, Any]) -> None:
     tiers = f"{r['shards']} shards + global" if r["layout"] == "tiered" else "one Prometheus"
     print(f"Live: {r['nodes']} nodes x {RANKS_PER_NODE} ranks = {r['ranks']} ranks, 4 PGs per rank (WORLD, TP 8, "
           f"PP {r['pp']} stages, DP {r['dp']}); layout {r['layout']} ({tiers})")
-    if r.get("design"):
-        print(f"Rules: design {r['design']!r} ({DESIGNS[r['design']][0].name}) in place of the shipped groups of "
-              "the same name: not the shipped rules.")
     print(f"Measured on this machine: {r['cpus']} CPUs ({r['cpu_affinity']} usable), {r['prometheus']}; scrape and "
           f"evaluation every {r['interval_s']:g} s, rules and fleet thresholds at scale {r['scale']:g} (stuck "
           f"threshold {r['stuck_threshold_s']:g} s). Every Prometheus and the fleet server share these CPUs.")
@@ -522,13 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cascade", action="store_true",
                         help="with --analyze-only: the hang spreads into the tensor-parallel group of every waiter "
                              "(their nodes' other ranks wait in it), as on a real job")
-    parser.add_argument("--design", choices=sorted(DESIGNS),
-                        help="measure the rule groups of a design (benchmarks/designs/) in place of the shipped "
-                             "groups of the same name (split into tiers like them)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, TSDBs)")
     args = parser.parse_args(argv)
-    if args.design and args.floor:
-        parser.error("--design runs without --floor")
     report = run(args)
     emit(report, args.json, print_report)
     analyzed = all(a["correct"] for key, a in report["analyze"].items() if key != "servers")

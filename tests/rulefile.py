@@ -2,7 +2,8 @@
 
 Tests and the end-to-end Prometheus fixture shrink every timing with
 ``load_rules(scale)`` instead of keeping a second, faster copy, so the logic
-they exercise is the logic that ships. Scaled are every ``for:`` and every
+they exercise is the logic that ships. Scaled are every group's own
+``interval:``, every ``for:`` and every
 number literal (seconds) or range window in an ``expr`` that the PromQL comment
 ``# @scale`` follows on its line, with only closing parentheses, ``]`` and blanks
 in between.
@@ -19,14 +20,17 @@ import yaml
 
 from scripts import rule_tiers
 
-__all__ = ["DESYNC_HELD", "RULES_PATH", "SCALE_MARKER", "STUCK_WAIT", "alert_for", "desync_timing", "find_rule",
-           "load_rules", "parse_duration", "render_rules"]
+__all__ = ["DESYNC_HELD", "E2E_STUCK_AFTER_S", "RULES_PATH", "SCALE_MARKER", "STUCK_WAIT", "alert_for",
+           "desync_timing", "find_rule", "load_rules", "parse_duration", "render_rules"]
 
 RULES_PATH = Path(__file__).resolve().parent.parent / "frexporter" / "rules" / "frexporter.rules.yml"
 SCALE_MARKER = "@scale"
-# The desync's shard-tier records that tests read: the stuck waits (with the 30 s fallback threshold) and each
-# candidate's activity (held or not).
-STUCK_WAIT = "job_id_pg_shard:frexporter_pg_oldest_inflight_age_seconds:stuck_wait_max"
+# The desync's shard-tier records that tests read: the stuck waits and each candidate's activity (held or not).
+STUCK_WAIT = "job_id_pg_shard:frexporter_pg_wait_age_seconds:stuck_max"
+# The --stuck-after the end-to-end exporters run with, before scaling: their stuck threshold until they learn a
+# shorter one, and a busy culprit's ceiling. The rules keep no threshold of their own: they read each waiting
+# rank's from its exporter (frexporter_pg_wait_limit_seconds).
+E2E_STUCK_AFTER_S = 30.0
 DESYNC_HELD = "job_id_pg_rank_shard:frexporter_rank_activity_since_timestamp_seconds:bottomk_held"
 
 _UNIT_SECONDS = {
@@ -86,6 +90,8 @@ def load_rules(scale: float = 1.0, path: Path = RULES_PATH) -> dict[str, Any]:
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     rules: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
     for group in rules["groups"]:
+        if "interval" in group:  # a group's own interval (the dashboards' minute)
+            group["interval"] = _format_duration(parse_duration(group["interval"]) * scale)
         for rule in group["rules"]:
             if "for" in rule:
                 rule["for"] = _format_duration(parse_duration(rule["for"]) * scale)
@@ -112,14 +118,7 @@ def alert_for(alert: str, scale: float = 1.0) -> float:
     return parse_duration(find_rule(alert, scale).get("for", "0s"))
 
 
-_FALLBACK_THRESHOLD = re.compile(r"\+ ([\d.]+)\s+# " + re.escape(SCALE_MARKER))
-
-
 def desync_timing(scale: float = 1.0) -> tuple[float, float]:
-    """FrexporterCollectiveDesync's fallback threshold (seconds, in the stuck waits record its culprits read) and its
-    "for"."""
-    stuck = find_rule(STUCK_WAIT, scale)
-    threshold = _FALLBACK_THRESHOLD.search(stuck["expr"])
-    if threshold is None:
-        raise ValueError(f"no @scale threshold in the stuck waits record: {stuck['expr']}")
-    return float(threshold[1]), alert_for("FrexporterCollectiveDesync", scale)
+    """The end-to-end exporters' stuck threshold at ``scale`` (E2E_STUCK_AFTER_S) and FrexporterCollectiveDesync's
+    "for" (seconds)."""
+    return E2E_STUCK_AFTER_S * scale, alert_for("FrexporterCollectiveDesync", scale)

@@ -29,7 +29,7 @@ from frexporter.model import ACTIVITY_IN_COLLECTIVE, Verdict
 from frexporter.postmortem import report
 from tests.harness import REPO, Job, require_module, wait_for
 from tests.promstack import SCALE, PromStack
-from tests.rulefile import load_rules
+from tests.rulefile import desync_timing
 
 DESYNC = "FrexporterCollectiveDesync"
 JOB_TIMEOUT_S = 60.0  # gloo's timeout: every check below must be done well before the ranks give up
@@ -39,16 +39,7 @@ ANALYZE_DEADLINE_S = 30.0  # from the skip to the verdict: the threshold and a f
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def _desync_threshold() -> float:
-    """FrexporterCollectiveDesync's in-flight threshold at the stack's scale (3 s at 0.1)."""
-    rule = next(r for g in load_rules(SCALE)["groups"] for r in g["rules"] if r.get("alert") == DESYNC)
-    for line in rule["expr"].splitlines():
-        if "@scale" in line:
-            return float(line.split(">=")[1].split("#")[0])
-    raise AssertionError(f"no scaled threshold in {DESYNC}: {rule['expr']}")
-
-
-STUCK_AFTER = _desync_threshold()
+STUCK_AFTER, _ = desync_timing(SCALE)  # the exporter's --stuck-after: its threshold, which the rules read
 
 
 def _watch(promstack: PromStack, exporter_factory: Callable[..., Any], job: Job) -> None:

@@ -16,7 +16,7 @@ import yaml
 from scripts import rule_tiers
 from tests.harness import REPO, require_tool
 from tests.rulefile import load_rules, render_rules
-from tests.shared.rules import UNIT_TESTS
+from tests.shared.rules import UNIT_TESTS, with_rules
 
 PROMTOOL_TIMEOUT_S = 120
 TIER_TESTS = sorted((REPO / "tests" / "rules" / "tiers").glob("*.yml"))
@@ -44,9 +44,9 @@ def _write_tiers(directory: Path, scale: float = 1.0) -> list[Path]:
 def _against(test_file: Path, rule_files: list[Path], directory: Path) -> Path:
     """``test_file`` with its rules replaced by ``rule_files``, evaluated shard groups first (as one Prometheus would
     in one group: a later group reads an earlier one's records of the same evaluation)."""
-    spec = yaml.safe_load(test_file.read_text(encoding="utf-8"))
-    spec["rule_files"] = [str(p) for p in rule_files]
-    spec["group_eval_order"] = [g["name"] for p in rule_files for g in yaml.safe_load(p.read_text())["groups"]]
+    spec = with_rules(test_file, yaml.safe_load(test_file.read_text(encoding="utf-8")), rule_files)
+    spec["group_eval_order"] = [g["name"] for p in spec["rule_files"]
+                                for g in yaml.safe_load(Path(p).read_text())["groups"]]
     copy = directory / test_file.name
     copy.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
     return copy

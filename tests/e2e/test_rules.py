@@ -14,7 +14,7 @@ import yaml
 
 from tests.harness import require_tool
 from tests.rulefile import RULES_PATH, render_rules
-from tests.shared.rules import UNIT_TESTS, shipped_alerts, shipped_rules
+from tests.shared.rules import UNIT_TESTS, shipped_alerts, shipped_rules, with_rules
 
 PROMTOOL_TIMEOUT_S = 120
 
@@ -59,8 +59,7 @@ def test_unit_tests_pin_every_alert_to_its_shipped_timing(promtool: str, tmp_pat
     scaled.write_text(render_rules(0.5), encoding="utf-8")
     copies = []
     for test_file in UNIT_TESTS:
-        spec = yaml.safe_load(test_file.read_text(encoding="utf-8"))
-        spec["rule_files"] = [str(scaled)]
+        spec = with_rules(test_file, yaml.safe_load(test_file.read_text(encoding="utf-8")), [scaled])
         copy = tmp_path / test_file.name
         copy.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
         copies.append(str(copy))

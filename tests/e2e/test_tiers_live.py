@@ -142,7 +142,7 @@ def test_global_tier_names_the_culprit_of_a_desync_across_shards(desynced: Desyn
     candidate = tiered.alerting.query(f'job_id_pg_rank_shard:frexporter_pg_last_enqueued_seq:bottomk'
                                       f'{{pg="{desynced.pg}",rank="{desynced.culprit}"}}')
     assert [s["metric"]["shard"] for s in candidate] == [home], candidate
-    waits = tiered.alerting.query(f'job_id_pg_shard:frexporter_pg_oldest_inflight_age_seconds:stuck_wait_max'
+    waits = tiered.alerting.query(f'job_id_pg_shard:frexporter_pg_wait_age_seconds:stuck_max'
                                   f'{{pg="{desynced.pg}"}}')
     assert {s["metric"]["shard"] for s in waits} - {home}, waits
     # Nothing else for the job on any tier, FrexporterCollectiveStalled least of all, for as long as its "for".

@@ -20,11 +20,12 @@ from tests.rulefile import (
     RULES_PATH,
     SCALE_MARKER,
     STUCK_WAIT,
+    find_rule,
     load_rules,
     parse_duration,
     render_rules,
 )
-from tests.shared.rules import UNIT_TESTS, shipped_alerts, shipped_rules
+from tests.shared.rules import UNIT_TESTS, fixtures_of, shipped_alerts, shipped_rules
 
 # Repository-relative: where the runbooks are served is the deployment's to say (the Helm chart prefixes
 # prometheusRule.runbookBaseURL), so the canonical file names no address.
@@ -40,7 +41,7 @@ def test_unit_tests_load_the_shipped_rules() -> None:
     for test_file in UNIT_TESTS:
         spec = yaml.safe_load(test_file.read_text(encoding="utf-8"))
         resolved = [(test_file.parent / name).resolve() for name in spec["rule_files"]]
-        assert resolved == [RULES_PATH.resolve()], test_file
+        assert resolved == [*fixtures_of(test_file, spec), RULES_PATH.resolve()], test_file
 
 
 def test_every_alert_has_a_for_boundary_test() -> None:
@@ -155,7 +156,7 @@ def test_alert_follows_conventions(alert: dict[str, Any]) -> None:
     assert runbook.read_text(encoding="utf-8").startswith(f"# {name}\n")
 
 
-def test_load_rules_scales_for_and_marked_literals_only() -> None:
+def test_load_rules_scales_intervals_for_and_marked_literals_only() -> None:
     shipped, scaled = shipped_rules(), [r for g in load_rules(0.1)["groups"] for r in g["rules"]]
     marked = 0
     for before, after in zip(shipped, scaled, strict=True):
@@ -177,6 +178,10 @@ def test_load_rules_scales_for_and_marked_literals_only() -> None:
             k: v for k, v in before.items() if k not in untimed
         }
     assert marked >= 4
+    # A group's own interval (the dashboards' minute) scales too; the others keep the server's.
+    intervals = {g["name"]: g.get("interval") for g in load_rules(0.1)["groups"]}
+    assert intervals["frexporter-dashboards"] == "6s"
+    assert {name for name, every in intervals.items() if every} == {"frexporter-dashboards"}
 
 
 def test_load_rules_scaled_desync_timing() -> None:
@@ -186,15 +191,17 @@ def test_load_rules_scaled_desync_timing() -> None:
         for rule in group["rules"]
         if rule.get("alert") == "FrexporterCollectiveDesync"
     )
-    stuck = next(
+    ages = next(
         rule
         for group in load_rules(0.1)["groups"]
         for rule in group["rules"]
-        if rule.get("record") == STUCK_WAIT
+        if rule.get("record") == "job_id_pg_rank:frexporter_pg_wait_start_timestamp_seconds:age"
     )
     assert desync["for"] == "1500ms"
-    assert re.search(r"\+ 3\s+# @scale", stuck["expr"])  # the 30 s fallback threshold
-    assert re.search(r">= 6\s+# @scale", desync["expr"])  # the busy culprit's 60 s fallback ceiling
+    assert re.search(r"> 4.5\)\s+# @scale", ages["expr"])  # a node unscraped for 45 s has no waits
+    # No threshold of the rules' own: the waits carry each rank's.
+    stuck = find_rule(STUCK_WAIT, 0.1)
+    assert '{limit="stuck"}' in stuck["expr"] and SCALE_MARKER not in stuck["expr"], stuck["expr"]
 
 
 def test_desync_busy_hold_is_the_model_s() -> None:

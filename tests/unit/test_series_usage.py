@@ -110,7 +110,7 @@ def test_no_dropped_name_occurs_in_an_alert_or_a_rule_it_reads(rows: list[su.Row
             break
         reached |= new
         texts += [records[name] for name in new]
-    assert "job_id_pg_rank:frexporter_pg_oldest_inflight_start_timestamp_seconds:age" in reached
+    assert "job_id_pg_rank:frexporter_pg_wait_start_timestamp_seconds:age" in reached
     for recipe in su.RECIPES:
         for name in su.recipe_names(rows, recipe):
             spelled = [t for t in texts if re.search(rf"(?<![\w:]){re.escape(name)}(?![\w:])", t)]
@@ -155,7 +155,9 @@ def test_table_says_who_needs_what(used: su.Usage, rows: list[su.Row]) -> None:
     assert by_name[n.PG_LAST_ENQUEUED_SEQ].needed_by == su.ALERTS
     assert "FrexporterCollectiveDesync" in by_name[n.PG_LAST_ENQUEUED_SEQ].alerts
     assert "FrexporterRankDown" in by_name[n.RANK_UP].alerts
-    assert by_name[n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS].needed_by == su.ALERTS
+    # The alerts read the exporters' waits; every rank's in-flight start only the dashboards.
+    assert by_name[n.PG_WAIT_START_TIMESTAMP_SECONDS].needed_by == su.ALERTS
+    assert by_name[n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS].needed_by == su.DASHBOARDS
     # Only through the Straggler alert's recording rules (lag, loss ratio).
     assert by_name[n.RANK_COLLECTIVE_WAIT_SECONDS].alerts == ("FrexporterStraggler",)
     # Only in an alert's text (the desync notification names the culprit's op).
@@ -173,9 +175,10 @@ def test_table_says_who_needs_what(used: su.Usage, rows: list[su.Row]) -> None:
     assert all(not by_name[name].opt_in for recipe in su.RECIPES for name in su.recipe_names(rows, recipe))
     # The reference node's total is the budgeted one.
     assert sum(r.per_rank for r in rows) == 40
-    # Recording rules: the in-flight ages feed alerts (through the shard exports), the PG rank count only the
-    # dashboards.
-    assert used.rules["job_id_pg_rank:frexporter_pg_oldest_inflight_start_timestamp_seconds:age"] == su.ALERTS
+    # Recording rules: the wait ages feed alerts (through the shard exports); the in-flight ages and the PG rank
+    # count only the dashboards.
+    assert used.rules["job_id_pg_rank:frexporter_pg_wait_start_timestamp_seconds:age"] == su.ALERTS
+    assert used.rules["job_id_pg_rank:frexporter_pg_oldest_inflight_start_timestamp_seconds:age"] == su.DASHBOARDS
     assert used.rules["job_id_pg:frexporter_pg_ranks:count"] == su.DASHBOARDS
 
 
