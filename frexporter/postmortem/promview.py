@@ -62,9 +62,11 @@ _BY_PG = f"{n.L_JOB_ID}, {n.L_PG}"
 # shortest positive one of each PG, which the server computes instead of sending every node's.
 _SHORTEST = f"min by ({_BY_PG}) ({{metric}}{{sel}} > 0)"
 # Every PG a rank reports, a series each, valued by its signs of activity (OF_ACTIVE_PGS): its ranks' in-flight
-# starts, waits or arrivals where it has any, else its ranks with a collective in flight (0: idle).
+# starts, the waits their exporters report, collective waits or arrivals where it has any, else its ranks with a
+# collective in flight (0: idle).
 _ACTIVITY_SIGNS = " or ".join([*(f"count by ({_BY_PG}) ({sign})" for sign in (
-    f"{n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS}{{sel}}", f"{n.RANK_COLLECTIVE_WAIT_SECONDS}{{sel}}",
+    f"{n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS}{{sel}}", f"{n.PG_WAIT_START_TIMESTAMP_SECONDS}{{sel}}",
+    f"{n.RANK_COLLECTIVE_WAIT_SECONDS}{{sel}}",
     f"{n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS}{{sel}} offset 15s")),
     f"sum by ({_BY_PG}) ({{metric}}{{sel}} > bool 0)"])
 
@@ -103,6 +105,10 @@ class Query(enum.Enum):
     PG_INFLIGHT = (n.PG_INFLIGHT_COLLECTIVES, _PLAIN)
     PG_OLDEST = (n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, _PLAIN)
     PG_PROGRESS = (n.PG_LAST_PROGRESS_TIMESTAMP_SECONDS, _PLAIN)
+    # The waits the exporters report (a rank that has waited half its PG's stuck threshold): what the rebuild
+    # reads in place of the completed seq and in-flight start where a relabel recipe dropped those.
+    PG_WAIT_SEQ = (n.PG_WAIT_SEQ, _PLAIN)
+    PG_WAIT_START = (n.PG_WAIT_START_TIMESTAMP_SECONDS, _PLAIN)
     # Each rank's mean wait inside a PG's collectives (exporters with --collective-waits): the straggler ranking.
     PG_WAIT = (n.RANK_COLLECTIVE_WAIT_SECONDS, _PLAIN)
     # The same where FR records no completion (gloo): each rank's mean call time at the PG's current block.
@@ -138,7 +144,8 @@ ASKED_ONLY_WITH: Mapping[Query, Query] = {Query.PG_RATE: Query.PG_ARRIVAL}
 # collectives completed) gives nothing to judge and only PG_ACTIVE counts it.
 OF_ACTIVE_PGS = frozenset({Query.PG_INFO, Query.PG_TIMEOUT, Query.PG_STUCK_THRESHOLD, Query.PG_STUCK_CEILING,
                            Query.PG_ENQUEUED, Query.PG_COMPLETED, Query.PG_STARTED, Query.PG_INFLIGHT,
-                           Query.PG_OLDEST, Query.PG_PROGRESS, Query.PG_WAIT, Query.PG_ARRIVAL, Query.PG_RATE})
+                           Query.PG_OLDEST, Query.PG_PROGRESS, Query.PG_WAIT_SEQ, Query.PG_WAIT_START,
+                           Query.PG_WAIT, Query.PG_ARRIVAL, Query.PG_RATE})
 # Asked after the others, only when their answers call for them: OF_ACTIVE_PGS, and SCRAPED (scrape_times_needed).
 LATER = OF_ACTIVE_PGS | {Query.SCRAPED}
 
@@ -148,9 +155,10 @@ _NOT_COUNTED = frozenset({Query.PG_RATE, Query.PG_ACTIVE, Query.JOB_STUCK_CEILIN
 
 _PG_FIELDS = {Query.PG_ENQUEUED: "enqueued", Query.PG_COMPLETED: "completed", Query.PG_STARTED: "started",
               Query.PG_INFLIGHT: "inflight", Query.PG_OLDEST: "oldest", Query.PG_PROGRESS: "progress",
-              Query.PG_WAIT: "wait", Query.PG_ARRIVAL: "arrival"}
-_COUNT_FIELDS = frozenset({"enqueued", "completed", "started", "inflight"})
-_TIME_FIELDS = frozenset({"oldest", "progress"})  # node timestamps
+              Query.PG_WAIT: "wait", Query.PG_ARRIVAL: "arrival", Query.PG_WAIT_SEQ: "wait_seq",
+              Query.PG_WAIT_START: "wait_start"}
+_COUNT_FIELDS = frozenset({"enqueued", "completed", "started", "inflight", "wait_seq"})
+_TIME_FIELDS = frozenset({"oldest", "progress", "wait_start"})  # node timestamps
 PGKey = tuple[str, str]  # (job id, PG)
 RankPGKey = tuple[str, int, str]  # (job id, rank, PG)
 ByRank = dict[RankKey, dict[Source, Sample]]
@@ -307,15 +315,21 @@ def _liveness(up: Sample | None, heartbeat: Sample | None, scraped: Sample | Non
 
 def _pg_states(pg_series: dict[tuple[str, int, str], dict[str, Any]], members: dict[PGKey, tuple[int, ...]],
                got: Answers) -> dict[RankKey, list[PGState]]:
-    """Each rank's PGs, those whose enqueued and completed seqs are known."""
+    """Each rank's PGs, those whose enqueued seq is known. Where the completed seq is not (the alerting relabel
+    recipe drops it), a rank's reported wait says what it waits on, and a rank without one has no collective in
+    flight that has waited half its stuck threshold: none that a verdict could count."""
     timeouts = _pg_timeouts(got[Query.PG_TIMEOUT])
     thresholds = _pg_timeouts(got[Query.PG_STUCK_THRESHOLD])
     ceilings = _pg_timeouts(got[Query.PG_STUCK_CEILING])
     by_rank: dict[RankKey, list[PGState]] = defaultdict(list)
     for (job, rank, pg), v in sorted(pg_series.items()):
-        if v.get("enqueued") is None or v.get("completed") is None:
+        if v.get("enqueued") is None:
             continue
-        enq, done = int(v["enqueued"]), int(v["completed"])
+        enq = int(v["enqueued"])
+        if v.get("completed") is not None:
+            done = int(v["completed"])
+        else:
+            done = int(v["wait_seq"]) - 1 if v.get("wait_seq") is not None else enq
         inflight = v.get("inflight")
         state = PGState(
             name=pg, desc=str(v.get("desc", "")), ranks=members[(job, pg)], backend="",
@@ -327,7 +341,8 @@ def _pg_states(pg_series: dict[tuple[str, int, str], dict[str, Any]], members: d
             stuck_threshold_seconds=thresholds.get((job, pg)), stuck_ceiling_seconds=ceilings.get((job, pg)),
             wait_seconds=v.get("wait"), arrival_timestamp=v.get("arrival"),
         )
-        by_rank[(job, rank)].append(with_oldest_start(state, v.get("oldest")))
+        oldest = v.get("oldest") if v.get("oldest") is not None else v.get("wait_start")
+        by_rank[(job, rank)].append(with_oldest_start(state, oldest))
     return by_rank
 
 

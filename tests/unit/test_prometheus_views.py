@@ -52,8 +52,8 @@ def _rank(metric: str, value: float, rank: int, instance: str = "node0:9400", sc
     return _sample(metric, value, scraped, job_id="j", rank=str(rank), instance=instance, **extra)
 
 
-_ACTIVE_SIGNS = (n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, n.RANK_COLLECTIVE_WAIT_SECONDS,
-                 n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS)
+_ACTIVE_SIGNS = (n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS, n.PG_WAIT_START_TIMESTAMP_SECONDS,
+                 n.RANK_COLLECTIVE_WAIT_SECONDS, n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS)
 
 
 def _by_pg(found: list[dict[str, Any]], value: Any) -> list[dict[str, Any]]:
@@ -236,6 +236,29 @@ def test_analyze_prometheus_says_what_the_culprit_is_doing() -> None:
     (v,) = evaluate(states.values(), NOW, VerdictConfig(stuck_after=30, complete_view=True))
     assert v.ranks == (2,) and v.activity["2"].state == "busy"
     assert v.summary.endswith("Rank 2 has been busy in save_checkpoint.")
+
+
+def test_analyze_prometheus_reads_the_waits_where_the_alerting_recipe_dropped_the_seqs_it_reads() -> None:
+    """docs/scale.md's alerting recipe drops the completed seqs, in-flight counts and starts: the exporters' waits
+    (written for ranks that waited half their PG's threshold) say who waits on what since when."""
+    dropped = {n.PG_LAST_COMPLETED_SEQ, n.PG_INFLIGHT_COLLECTIVES, n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS}
+    full = [*_rank_series(0, 8, 7, oldest=NOW - 100), *_rank_series(1, 8, 7, oldest=NOW - 100),
+            *_rank_series(2, 7, 7), _pg_static(n.PG_STUCK_THRESHOLD_SECONDS, 10)]
+    waits = [m for r in (0, 1)
+             for m in (_pg(n.PG_WAIT_SEQ, 8, r), _pg(n.PG_WAIT_START_TIMESTAMP_SECONDS, NOW - 100, r))]
+    kept = [s for s in full if s["metric"]["__name__"] not in dropped]
+    assert len(kept) < len(full)
+
+    def analyze(samples: list[dict[str, Any]]) -> report.Report:
+        with _served(samples), mock.patch("time.time", return_value=NOW):
+            return report.from_prometheus("http://prometheus", "j", stuck_after=60)
+
+    found = {name: analyze(samples).verdicts for name, samples in
+             (("all", [*full, *waits]), ("recipe", [*kept, *waits]), ("recipe, no waits", kept))}
+    assert [(v.kind, v.ranks, v.seq) for v in found["all"]] == [(MISSING_RANK, (2,), 8)], found
+    assert [(v.kind, v.ranks, v.seq, round(v.age_seconds)) for v in found["recipe"]] == [
+        (v.kind, v.ranks, v.seq, round(v.age_seconds)) for v in found["all"]]
+    assert found["recipe, no waits"] == ()  # nothing says anyone waits
 
 
 def test_analyze_prometheus_uses_the_learned_threshold_and_shows_a_wait_below_it() -> None:
