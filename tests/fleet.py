@@ -855,19 +855,15 @@ class PromLayout:
         self.alerting = alerting  # the one that fires the cross-node alerts: the single or the global Prometheus
 
     @classmethod
-    def single(cls, fleet: FakeFleet, workdir: Path, interval: float = 15.0, scale: float = 1.0,
-               rules: str | None = None) -> PromLayout:
-        """``rules``: a rule file's text in place of the canonical rules (benchmarks/scale_live.py's designs)."""
+    def single(cls, fleet: FakeFleet, workdir: Path, interval: float = 15.0, scale: float = 1.0) -> PromLayout:
         config = {**_global_config(interval), "scrape_configs": [fleet_job(fleet)]}
-        server = PromServer("single", workdir, config, render_rules(scale) if rules is None else rules, interval)
+        server = PromServer("single", workdir, config, render_rules(scale), interval)
         return cls(fleet, workdir, "single", [server], [], server)
 
     @classmethod
     def tiered(cls, fleet: FakeFleet, workdir: Path, shards: int = 2, interval: float = 15.0,
-               scale: float = 1.0, honor_timestamps: bool | None = FEDERATE_HONOR_TIMESTAMPS,
-               rules: str | None = None) -> PromLayout:
-        """``rules``: as for ``single``, split into the two tiers the same way."""
-        doc = yaml.safe_load(render_rules(scale) if rules is None else rules)
+               scale: float = 1.0, honor_timestamps: bool | None = FEDERATE_HONOR_TIMESTAMPS) -> PromLayout:
+        doc = yaml.safe_load(render_rules(scale))
         shard_rules = rule_tiers.render(doc, rule_tiers.SHARD)
         servers = [
             PromServer(shard_name(i), workdir,
@@ -944,11 +940,11 @@ def running(fleet: FakeFleet, *layouts: Callable[[], PromLayout]) -> Iterator[li
 
 
 def layout_factory(kind: str, fleet: FakeFleet, workdir: Path, shards: int = 2, interval: float = 15.0,
-                   scale: float = 1.0, rules: str | None = None) -> Callable[[], PromLayout]:
+                   scale: float = 1.0) -> Callable[[], PromLayout]:
     if kind == "single":
-        return functools.partial(PromLayout.single, fleet, workdir, interval, scale, rules)
+        return functools.partial(PromLayout.single, fleet, workdir, interval, scale)
     if kind == "tiered":
-        return functools.partial(PromLayout.tiered, fleet, workdir, shards, interval, scale, rules=rules)
+        return functools.partial(PromLayout.tiered, fleet, workdir, shards, interval, scale)
     raise ValueError(f"no layout {kind!r}")
 
 

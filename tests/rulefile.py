@@ -83,12 +83,11 @@ def _scale_expr(expr: str, scale: float) -> str:
     return "\n".join(lines)
 
 
-def load_rules(scale: float = 1.0, path: Path = RULES_PATH) -> dict[str, Any]:
-    """The canonical rule file (or another written the same way), parsed, with its timings multiplied by
-    ``scale``."""
+def load_rules(scale: float = 1.0) -> dict[str, Any]:
+    """The canonical rule file, parsed, with its timings multiplied by ``scale``."""
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    rules: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
+    rules: dict[str, Any] = yaml.safe_load(RULES_PATH.read_text(encoding="utf-8"))
     for group in rules["groups"]:
         if "interval" in group:  # a group's own interval (the dashboards' minute)
             group["interval"] = _format_duration(parse_duration(group["interval"]) * scale)

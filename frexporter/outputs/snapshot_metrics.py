@@ -20,17 +20,28 @@ def _pg_labels(rank: RankState, pg: PGState) -> list[str]:
     return [rank.job_id, str(rank.rank), pg.name, pg.desc]
 
 
-def reported_wait(rank: RankState, pg: PGState, now: float) -> float | None:
-    """The start of the rank's wait in the PG's oldest in-flight collective, if it is one the waits report: the
-    rank is up, a collective is enqueued and not completed (seqs are collective-domain: a p2p op is no wait), and
-    it has waited WAIT_REPORT_SHARE of the PG's stuck threshold (of its ceiling where none is learned) at ``now``,
-    on this node's clock. None otherwise, and where the PG knows no threshold at all."""
+def collective_wait_start(pg: PGState) -> float | None:
+    """When the PG's oldest in-flight collective began, while one is enqueued and not completed (seqs are
+    collective-domain: a p2p op in flight is no wait); None otherwise."""
     first = pg.oldest_inflight
-    limit = pg.stuck_threshold_seconds if pg.stuck_threshold_seconds is not None else pg.stuck_ceiling_seconds
-    if (not rank.up or first is None or pg.inflight_count <= 0 or pg.last_enqueued <= pg.last_completed
-            or limit is None or now - first.created < WAIT_REPORT_SHARE * limit):
+    if first is None or pg.inflight_count <= 0 or pg.last_enqueued <= pg.last_completed:
         return None
     return first.created
+
+
+def reported_wait(rank: RankState, pg: PGState, now: float) -> float | None:
+    """The start of the rank's wait in the PG (collective_wait_start), if it is one the waits report: the rank is
+    up and has waited WAIT_REPORT_SHARE of the PG's stuck threshold (of its ceiling where none is learned) at
+    ``now``, on this node's clock. None otherwise, and where the PG knows no threshold at all."""
+    return _reported(rank, pg, collective_wait_start(pg), now)
+
+
+def _reported(rank: RankState, pg: PGState, start: float | None, now: float) -> float | None:
+    """reported_wait, given the PG's collective_wait_start."""
+    limit = pg.stuck_threshold_seconds if pg.stuck_threshold_seconds is not None else pg.stuck_ceiling_seconds
+    if not rank.up or start is None or limit is None or now - start < WAIT_REPORT_SHARE * limit:
+        return None
+    return start
 
 
 class _PGFacts:
@@ -213,12 +224,12 @@ class SnapshotCollector(Collector):
                     started.add_sample(started.name, key, pg.last_started)
                 done.add_sample(done.name, key, pg.last_completed)
                 inflight.add_sample(inflight.name, key, pg.inflight_count)
-                first = pg.oldest_inflight
-                # Only while a collective is enqueued and not completed: the shipped rules read this series
-                # alone as "waits in a collective" (a p2p op in flight is not one), never joining the seqs.
-                if first is not None and pg.inflight_count > 0 and pg.last_enqueued > pg.last_completed:
-                    oldest.add_sample(oldest.name, key, first.created)
-                start = reported_wait(r, pg, snap.time)
+                # Only while a collective is enqueued and not completed: read alone as "waits in a collective"
+                # (a p2p op in flight is not one), never joining the seqs.
+                flying = collective_wait_start(pg)
+                if flying is not None:
+                    oldest.add_sample(oldest.name, key, flying)
+                start = _reported(r, pg, flying, snap.time)
                 if start is not None:
                     wait_start.add_sample(wait_start.name, key, start)
                     wait_seq.add_sample(wait_seq.name, key, pg.last_completed + 1)
