@@ -43,4 +43,8 @@ STUCK_HISTORY = 1024  # samples kept per PG (the newest): about 17 minutes of a 
 # counts; late enough that a healthy job's waits hardly ever show (the learned threshold is at least three times
 # their 99th percentile).
 WAIT_REPORT_SHARE = 0.5
+# Per node and PG, the idle ranks of the lowest seq the exporter writes as desync candidates
+# (naming.PG_IDLE_SEQ): the shipped rules keep the same number per PG and shard (their bottomk), so a node's
+# others could never be named.
+IDLE_CANDIDATES_PER_NODE = 2
 DEMO_RANKS = 4  # gloo ranks of `frexporter demo`

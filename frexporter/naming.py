@@ -86,6 +86,12 @@ WAIT_LIMIT_STUCK = "stuck"  # the PG's stuck threshold
 WAIT_LIMIT_CEILING = "ceiling"  # its ceiling, a busy culprit's threshold (--stuck-after)
 WAIT_LIMIT_TIMEOUT = "timeout"  # its watchdog timeout
 WAIT_LIMITS = (WAIT_LIMIT_STUCK, WAIT_LIMIT_CEILING, WAIT_LIMIT_TIMEOUT)
+# Idle ranks, the desync's candidate culprits: per rank and PG, only while the rank has no collective of the PG
+# enqueued and not completed and its completed seq has not advanced for the same share of the PG's stuck threshold
+# (or never has), and per node and PG only the defaults.IDLE_CANDIDATES_PER_NODE such ranks of the lowest seq. Its
+# value is the rank's last enqueued seq. Absent while a job's PGs all run collectives, so the desync rule reads a
+# handful of series instead of every rank's seqs (docs/scale.md, "Waits").
+PG_IDLE_SEQ = PREFIX + "pg_idle_seq"
 
 # Collectives
 COLLECTIVE_DURATION_SECONDS = PREFIX + "collective_duration_seconds"
@@ -120,6 +126,7 @@ RANK_INFO_LABELS = (
     L_GPU_UUID,
 )
 PG_WAIT_LIMIT_LABELS = (*PG_LABELS, L_LIMIT)
+PG_IDLE_LABELS = (*PG_LABELS, L_HOSTNAME)  # the host travels with the candidate to the alert's text
 PG_STATIC_LABELS = (L_JOB_ID, L_PG, L_PG_DESC)  # per node: the timeout, the stuck threshold
 PG_INFO_LABELS = (*PG_STATIC_LABELS, L_SIZE, L_BACKEND)
 VERDICT_LABELS = (L_JOB_ID, L_PG, L_PG_DESC, L_RANK, L_KIND, L_OP, L_SEQ, L_CULPRIT_STATE, L_CULPRIT_FUNCTION)

@@ -44,7 +44,7 @@ import yaml
 
 from benchmarks.scale import Series, parse_exposition, real_exposition
 from frexporter import naming as n
-from frexporter.defaults import WAIT_REPORT_SHARE
+from frexporter.defaults import IDLE_CANDIDATES_PER_NODE, WAIT_REPORT_SHARE
 from scripts import rule_tiers
 from tests.harness import free_port, metrics, wait_for
 from tests.promstack import get_json, instant_query
@@ -372,8 +372,8 @@ class NodeRenderer:
         out: list[str] = []
         flying: list[str] = []
         for fam in self.families:
-            if fam.name in WAIT_FAMILIES:
-                continue  # none in the template's steady state; a fault's waits come whole (_pg_waits)
+            if fam.name in WAIT_FAMILIES or fam.name == n.PG_IDLE_SEQ:
+                continue  # none in the template's steady state; a fault's come whole (_pg_waits, _idle)
             out.append(_escape(fam.header))
             if fam.name == OLDEST:
                 lines = self._oldest(node, state)
@@ -386,10 +386,12 @@ class NodeRenderer:
         if isinstance(state, Straggler):
             out.extend(self._waits(node, state))
         if isinstance(state, Desync | Skew):
-            # The exporter's waits (frexporter_pg_wait_*): every wait of these states began at state.at, so they
-            # show together, once that is WAIT_REPORT_SHARE of the stuck threshold ago (FakeFleet.render).
+            # The exporter's waits (frexporter_pg_wait_*) and idle ranks (frexporter_pg_idle_seq): every wait of
+            # these states began at state.at, and every rank with nothing in flight completed its last collective
+            # then, so they show together, once that is WAIT_REPORT_SHARE of the stuck threshold ago
+            # (FakeFleet.render). A healthy job, all of whose PGs run, has neither.
             out.append("%(inflight)s")
-            flying = self._pg_waits(node, state)
+            flying = [*self._pg_waits(node, state), self._idle(node, state)]
         return "".join(out), "".join(flying)
 
     def _limit(self, name: str) -> float:
@@ -415,6 +417,24 @@ class NodeRenderer:
                     fams[n.PG_WAIT_LIMIT_SECONDS].append(_line(n.PG_WAIT_LIMIT_SECONDS,
                                                                {**labels, n.L_LIMIT: limit}, _num(seconds)))
         return [_escape(f"# TYPE {name} gauge\n") + "".join(lines) for name, lines in fams.items()]
+
+    def _idle(self, node: int, state: Desync | Skew) -> str:
+        """The node's idle ranks as the exporter writes them: per PG, the IDLE_CANDIDATES_PER_NODE ranks of the
+        lowest (seq, rank) among those with nothing in flight in it."""
+        by_pg: dict[Pg, list[tuple[int, int]]] = {}
+        for local in range(RANKS_PER_NODE):
+            rank = node * RANKS_PER_NODE + local
+            for pg in self.topo.pgs(rank):
+                values = state.pg(rank, pg)
+                if values.oldest is None:
+                    by_pg.setdefault(pg, []).append((int(values.enqueued), rank))
+        lines = [f"# TYPE {n.PG_IDLE_SEQ} gauge\n"]
+        for pg, found in by_pg.items():
+            for seq, rank in sorted(found)[:IDLE_CANDIDATES_PER_NODE]:
+                labels = {"job_id": JOB_ID, "pg": pg.name, "pg_desc": pg.desc, "rank": str(rank),
+                          "hostname": f"node-{node:04d}"}
+                lines.append(_line(n.PG_IDLE_SEQ, labels, str(seq)))
+        return _escape("".join(lines[:1])) + "".join(lines[1:])
 
     def _waits(self, node: int, state: Straggler) -> list[str]:
         lines = [f"# HELP {WAIT} Seconds the rank waits inside this PG's collectives.\n# TYPE {WAIT} gauge\n"]

@@ -110,6 +110,7 @@ _ANNOTATIONS: Mapping[str, str] = {
     n.PG_LAST_COMPLETED_SEQ: "{collective}",
     n.PG_INFLIGHT_COLLECTIVES: "{collective}",
     n.PG_WAIT_SEQ: "{collective}",
+    n.PG_IDLE_SEQ: "{collective}",
     n.PG_WAIT_GROUP_SIZE: "{rank}",
     n.GPU_REMAPPED_ROWS: "{row}",
 }

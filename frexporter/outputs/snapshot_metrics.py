@@ -10,7 +10,7 @@ from prometheus_client.utils import floatToGoString
 
 from frexporter import __version__
 from frexporter import naming as n
-from frexporter.defaults import WAIT_REPORT_SHARE
+from frexporter.defaults import IDLE_CANDIDATES_PER_NODE, WAIT_REPORT_SHARE
 from frexporter.model import ACTIVITY_STATES, DURATION_BUCKETS, UNKNOWN_ACTIVITY, NodeSnapshot, PGState, RankState
 
 _LE = tuple(floatToGoString(b) for b in DURATION_BUCKETS)
@@ -38,10 +38,50 @@ def reported_wait(rank: RankState, pg: PGState, now: float) -> float | None:
 
 def _reported(rank: RankState, pg: PGState, start: float | None, now: float) -> float | None:
     """reported_wait, given the PG's collective_wait_start."""
-    limit = pg.stuck_threshold_seconds if pg.stuck_threshold_seconds is not None else pg.stuck_ceiling_seconds
+    limit = _report_limit(pg)
     if not rank.up or start is None or limit is None or now - start < WAIT_REPORT_SHARE * limit:
         return None
     return start
+
+
+def _report_limit(pg: PGState) -> float | None:
+    """The stuck threshold the waits and idle ranks are reported against: the learned one, else the ceiling."""
+    return pg.stuck_threshold_seconds if pg.stuck_threshold_seconds is not None else pg.stuck_ceiling_seconds
+
+
+def reported_idle(pg: PGState, now: float) -> bool:
+    """Whether the rank is idle in the PG as the exporter reports it (a desync's candidate culprit): no collective
+    of the PG enqueued and not completed, and its completed seq has not advanced for WAIT_REPORT_SHARE of the PG's
+    stuck threshold at ``now`` on this node's clock, or never has. A culprit that never enqueued the collective its
+    peers wait on completed its last one before they began to wait, so it is idle by the time they are; a rank that
+    is down is idle too (FrexporterRankDown pages for it as well). False where the PG knows no threshold."""
+    return _idle(pg, collective_wait_start(pg), now)
+
+
+def _idle(pg: PGState, flying: float | None, now: float) -> bool:
+    """reported_idle, given the PG's collective_wait_start."""
+    limit = _report_limit(pg)
+    if flying is not None or limit is None:
+        return False
+    return pg.last_progress is None or now - pg.last_progress >= WAIT_REPORT_SHARE * limit
+
+
+class _IdleCandidates:
+    """Per (job, PG), the node's IDLE_CANDIDATES_PER_NODE idle ranks of the lowest (seq, rank): the rules keep as
+    many per PG and shard, so the node's others could never be named, and a PG with many members on a node (WORLD,
+    tensor-parallel) writes a few series instead of one per member."""
+
+    def __init__(self) -> None:
+        self._by_pg: dict[tuple[str, str, str], list[tuple[int, int, dict[str, str]]]] = {}
+
+    def add(self, rank: RankState, pg: PGState, labels: dict[str, str]) -> None:
+        found = self._by_pg.setdefault((rank.job_id, pg.name, pg.desc), [])
+        found.append((pg.last_enqueued, rank.rank, {**labels, n.L_HOSTNAME: rank.hostname}))
+
+    def into(self, family: GaugeMetricFamily) -> None:
+        for found in self._by_pg.values():
+            for seq, _, labels in sorted(found, key=lambda c: (c[0], c[1]))[:IDLE_CANDIDATES_PER_NODE]:
+                family.add_sample(family.name, labels, seq)
 
 
 class _PGFacts:
@@ -206,6 +246,13 @@ class SnapshotCollector(Collector):
                                        labels=list(n.PG_WAIT_LIMIT_LABELS))
         wait_size = GaugeMetricFamily(n.PG_WAIT_GROUP_SIZE, "Ranks in the PG the rank waits in; only beside a wait's "
                                       "start.", labels=labels)
+        idle = GaugeMetricFamily(n.PG_IDLE_SEQ,
+                                 "The last collective seq enqueued by a rank idle in the PG: none of its collectives "
+                                 f"in flight, and its completed seq unchanged for {WAIT_REPORT_SHARE:.0%} of the PG's "
+                                 "stuck threshold (or never advanced); per node and PG only the "
+                                 f"{IDLE_CANDIDATES_PER_NODE} such ranks of the lowest seq: a desync's candidate "
+                                 "culprits.", labels=list(n.PG_IDLE_LABELS))
+        candidates = _IdleCandidates()
         # Kept for one release so queries written against the first name keep working (CHANGELOG.md).
         straggler_old = GaugeMetricFamily(n.RANK_STRAGGLER_SCORE_DEPRECATED,
                                           f"Deprecated, removed in the next release: use "
@@ -230,6 +277,8 @@ class SnapshotCollector(Collector):
                 if flying is not None:
                     oldest.add_sample(oldest.name, key, flying)
                 start = _reported(r, pg, flying, snap.time)
+                if _idle(pg, flying, snap.time):
+                    candidates.add(r, pg, key)
                 if start is not None:
                     wait_start.add_sample(wait_start.name, key, start)
                     wait_seq.add_sample(wait_seq.name, key, pg.last_completed + 1)
@@ -258,8 +307,9 @@ class SnapshotCollector(Collector):
                 threshold.add_metric([job_id, name, desc], facts.threshold)
             if facts.ceiling is not None:
                 ceiling.add_metric([job_id, name, desc], facts.ceiling)
+        candidates.into(idle)
         yield from (info, enq, started, done, inflight, oldest, timeout, threshold, ceiling, progress, wait_start,
-                    wait_seq, wait_limit, wait_size, straggler, straggler_old, wait, arrival)
+                    wait_seq, wait_limit, wait_size, idle, straggler, straggler_old, wait, arrival)
 
     @staticmethod
     def _collectives(snap: NodeSnapshot) -> Iterator[Metric]:

@@ -139,7 +139,7 @@ def test_global_tier_names_the_culprit_of_a_desync_across_shards(desynced: Desyn
     home = shard_name(shard_of(topo.node_of(desynced.culprit), SHARDS))
     waiters = [m for m in topo.members(desynced.pg) if m != desynced.culprit]
     assert 2 * sum(shard_name(shard_of(topo.node_of(w), SHARDS)) == home for w in waiters) < len(waiters)
-    candidate = tiered.alerting.query(f'job_id_pg_rank_shard:frexporter_pg_last_enqueued_seq:bottomk'
+    candidate = tiered.alerting.query(f'job_id_pg_rank_shard:frexporter_pg_idle_seq:bottomk'
                                       f'{{pg="{desynced.pg}",rank="{desynced.culprit}"}}')
     assert [s["metric"]["shard"] for s in candidate] == [home], candidate
     waits = tiered.alerting.query(f'job_id_pg_shard:frexporter_pg_wait_age_seconds:stuck_max'

@@ -79,8 +79,9 @@ def reference_node(node: int = 1) -> NodeSnapshot:
 
 
 def every_series_node(opt_in: Collection[str] = ()) -> NodeSnapshot:
-    """The reference node in a state where every per-rank series it can have is written: each PG with NCCL
-    timing (a started seq) and a collective in flight past its stuck threshold, a recorder error on each rank, a
+    """The reference node in a state where every per-rank series it can have is written: each PG but the last with
+    NCCL timing (a started seq) and a collective in flight past its stuck threshold, the last idle past half its
+    threshold (nothing in flight, an idle seq), a recorder error on each rank, a
     verdict naming them all, collective durations; plus the series of the serve flags in ``opt_in``
     (OPT_IN_FLAGS). Which metric names carry ``rank`` is read from its exposition; its counts mean nothing (no real
     node is in every state at once: both cross-node straggler signals, for instance)."""
@@ -93,7 +94,8 @@ def every_series_node(opt_in: Collection[str] = ()) -> NodeSnapshot:
     collectives = []
     for r in snap.ranks:
         pgs = []
-        for pg in r.pgs:
+        *running, stopped = r.pgs
+        for pg in running:
             inflight = (InflightCollective(seq=pg.last_completed + 1, op="allreduce", created=NOW - 40.0,
                                            timeout_seconds=pg.timeout_seconds),)
             pgs.append(replace(pg, last_enqueued=pg.last_completed + 1, last_started=pg.last_completed + 1,
@@ -109,6 +111,8 @@ def every_series_node(opt_in: Collection[str] = ()) -> NodeSnapshot:
                     rank=r.rank if PER_RANK_DURATIONS in opt_in else None,
                     bucket_counts=tuple(1 for _ in DURATION_BUCKETS), duration_sum=0.01, duration_count=1,
                     bytes=1024))
+        pgs.append(replace(stopped, last_progress=NOW - 40.0, stuck_threshold_seconds=10.0,
+                           stuck_ceiling_seconds=60.0))
         ranks.append(replace(r, pgs=tuple(pgs), recorder_errors={"snapshot_write": 1}))
     verdict = Verdict(kind=MISSING_RANK, job_id=JOB_ID, pg=SHARED_PGS[0], pg_desc=SHARED_PGS[0],
                       ranks=tuple(r.rank for r in snap.ranks), waiting_ranks=(), seq=121, op="allreduce",

@@ -198,7 +198,7 @@ def test_the_rule_aligns_on_half_a_block_and_reads_one_grid_period_back() -> Non
     name = n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS
     rules = {r.get("record"): " ".join(r["expr"].split()) for r in shipped_rules()}
     lag = rules[f"job_id_pg_rank:{name}:lag"]
-    assert f"{ARRIVAL_BLOCK / 2:g} / rate(job_id_pg_shard:frexporter_pg_last_enqueued_seq:low[5m])" in lag
+    assert f"{ARRIVAL_BLOCK / 2:g} / rate(job_id_pg_shard:frexporter_pg_last_enqueued_seq:min[5m])" in lag
     # Every read of the raw series is one grid period back: by then every node's sample of the instant is in.
     for expr in (lag, rules[f"job_id_pg_shard:{name}:median"]):
         reads = expr.count(name + " ") + expr.count(name + ")")

@@ -50,6 +50,7 @@ EXPECTED_NAMES = {
     n.PG_STUCK_CEILING_SECONDS: ("frexporter.pg.stuck_ceiling", "s", "gauge"),
     n.PG_WAIT_START_TIMESTAMP_SECONDS: ("frexporter.pg.wait_start_timestamp", "s", "gauge"),
     n.PG_WAIT_SEQ: ("frexporter.pg.wait_seq", "{collective}", "gauge"),
+    n.PG_IDLE_SEQ: ("frexporter.pg.idle_seq", "{collective}", "gauge"),
     n.PG_WAIT_LIMIT_SECONDS: ("frexporter.pg.wait_limit", "s", "gauge"),
     n.PG_WAIT_GROUP_SIZE: ("frexporter.pg.wait_group_size", "{rank}", "gauge"),
     n.RANK_ACTIVITY_SINCE_TIMESTAMP_SECONDS: ("frexporter.rank.activity_since_timestamp", "s", "gauge"),

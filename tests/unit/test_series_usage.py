@@ -151,9 +151,11 @@ def test_docs_tables_are_the_generated_ones(used: su.Usage) -> None:
 def test_table_says_who_needs_what(used: su.Usage, rows: list[su.Row]) -> None:
     by_name = {r.metric: r for r in rows}
     assert any(r.needed_by == su.ALERTS for r in rows)
-    # Read by alert expressions, directly (rank down) or through a recording rule (desync's culprits).
-    assert by_name[n.PG_LAST_ENQUEUED_SEQ].needed_by == su.ALERTS
-    assert "FrexporterCollectiveDesync" in by_name[n.PG_LAST_ENQUEUED_SEQ].alerts
+    # Read by alert expressions, directly (rank down) or through a recording rule: the desync's culprits come
+    # from the exporters' idle ranks, and the enqueued seqs only give the stragglers' collectives rate.
+    assert by_name[n.PG_IDLE_SEQ].needed_by == su.ALERTS
+    assert by_name[n.PG_IDLE_SEQ].alerts == ("FrexporterCollectiveDesync",)
+    assert by_name[n.PG_LAST_ENQUEUED_SEQ].alerts == ("FrexporterStraggler",)
     assert "FrexporterRankDown" in by_name[n.RANK_UP].alerts
     # The alerts read the exporters' waits; every rank's in-flight start only the dashboards.
     assert by_name[n.PG_WAIT_START_TIMESTAMP_SECONDS].needed_by == su.ALERTS

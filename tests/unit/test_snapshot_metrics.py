@@ -118,3 +118,57 @@ def test_no_wait_where_no_collective_is_in_flight(enqueued: int, completed: int,
 def test_a_rank_that_is_down_waits_in_nothing() -> None:
     # Its frozen in-flight entries prove nothing (FrexporterRankDown pages for it).
     assert _at(ALL_REDUCE.created + 100.0, pg("0", "default_pg", 8, 7, (ALL_REDUCE,)), up=False) == {}
+
+
+# ---- The idle ranks (frexporter_pg_idle_seq): the desync's candidate culprits, only where a rank has stopped in a
+# PG, and at most IDLE_CANDIDATES_PER_NODE per node and PG, so that a job whose PGs all run writes none.
+
+DONE_AT = 1700000000.0  # the fakes' last progress: when each PG's completed seq last advanced
+
+
+def _idle_at(now: float, *ranks: tuple[int, tuple[PGState, ...]], up: bool = True) -> dict[tuple[str, str], float]:
+    """(pg, rank) -> the idle seq written, for ranks of the fixed snapshot's first rank's shape."""
+    snap = fixed_snapshot()
+    states = tuple(replace(snap.ranks[0], rank=r, local_rank=r, pgs=pgs,
+                           status=snap.ranks[0].status if up else RANK_DOWN) for r, pgs in ranks)
+    registry = CollectorRegistry(auto_describe=False)
+    node: NodeSnapshot = replace(snap, ranks=states, time=now)
+    registry.register(SnapshotCollector(lambda: node))
+    parsed = metrics(generate_latest(registry).decode())
+    out = {}
+    for labels, value in parsed.get(n.PG_IDLE_SEQ, []):
+        assert labels[n.L_HOSTNAME] == "node-a"  # the candidate's host travels with it to the alert
+        out[(labels["pg"], labels["rank"])] = value
+    return out
+
+
+def test_a_rank_is_idle_once_its_completed_seq_stood_half_the_stuck_threshold_with_nothing_in_flight() -> None:
+    stopped = pg("0", "default_pg", 7, 7)  # threshold 10 s
+    assert _idle_at(DONE_AT + 4.9, (0, (stopped,))) == {}
+    assert _idle_at(DONE_AT + 5.0, (0, (stopped,))) == {("0", "0"): 7.0}
+    # A PG without a learned threshold counts half its ceiling; one without either writes none.
+    ceiling_only = replace(stopped, stuck_threshold_seconds=None)
+    assert _idle_at(DONE_AT + 29.0, (0, (ceiling_only,))) == {}
+    assert _idle_at(DONE_AT + 30.0, (0, (ceiling_only,))) == {("0", "0"): 7.0}
+    assert _idle_at(DONE_AT + 1e6, (0, (replace(ceiling_only, stuck_ceiling_seconds=None),))) == {}
+
+
+def test_a_rank_waiting_in_a_collective_of_the_pg_is_not_idle_in_it_and_one_that_never_progressed_is() -> None:
+    assert _idle_at(DONE_AT + 1e6, (0, (pg("0", "default_pg", 8, 7, (ALL_REDUCE,)),))) == {}
+    # A p2p op in flight is no collective: the rank is idle in the collective domain.
+    p2p = replace(pg("0", "default_pg", 42, 42, (RECV,)), inflight_count=1, has_p2p=True)
+    assert _idle_at(DONE_AT + 1e6, (0, (p2p,))) == {("0", "0"): 42.0}
+    # Never completed anything: idle from the start (a culprit that never joined the PG's first collective).
+    assert _idle_at(DONE_AT, (0, (pg("0", "default_pg", 0, 0, progress=None),))) == {("0", "0"): 0.0}
+
+
+def test_a_rank_that_is_down_is_idle_where_it_stopped() -> None:
+    assert _idle_at(DONE_AT + 100.0, (0, (pg("0", "default_pg", 7, 7),)), up=False) == {("0", "0"): 7.0}
+
+
+def test_per_node_and_pg_only_the_lowest_seqs_are_written() -> None:
+    # Four local ranks of one PG, idle at seqs 9, 7, 7 and 8: the two lowest (ties by rank); a rank of the PG still
+    # running (in flight) is no candidate, however low its seq.
+    ranks = [(r, (pg("0", "default_pg", seq, seq),)) for r, seq in ((0, 9), (1, 7), (2, 7), (3, 8))]
+    running = (4, (pg("0", "default_pg", 6, 5, (ALL_REDUCE,)),))
+    assert _idle_at(DONE_AT + 60.0, *ranks, running) == {("0", "1"): 7.0, ("0", "2"): 7.0}
