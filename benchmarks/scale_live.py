@@ -54,6 +54,7 @@ from typing import Any
 import yaml
 
 from benchmarks.scale import real_exposition, time_analyze
+from frexporter.defaults import WAIT_REPORT_SHARE
 from scripts.rule_tiers import exporter_inputs
 from tests.fleet import (
     JOB_ID,
@@ -159,6 +160,14 @@ def _stats(evals: list[float]) -> dict[str, Any]:
     return {"rounds": len(kept), "mean_ms": round(statistics.mean(kept) * 1e3, 1), "max_ms": round(max(kept) * 1e3, 1)}
 
 
+def _fault_stats(evals: list[float]) -> dict[str, Any]:
+    """_stats of a fault's rounds: every one counts (no warm-up: the rules have run all along)."""
+    if not evals:
+        return {"rounds": 0, "mean_ms": None, "max_ms": None}
+    return {"rounds": len(evals), "mean_ms": round(statistics.mean(evals) * 1e3, 1),
+            "max_ms": round(max(evals) * 1e3, 1)}
+
+
 # ---------------------------------------------------------------------------------------- phases
 
 
@@ -186,11 +195,17 @@ def together(watcher: Watcher, fleet: FakeFleet, interval: float, rounds: int, t
     servers = {}
     for s in layout.servers:
         groups = watcher.rounds(s.name, start.started, end.started)
+        intervals = {g["name"]: float(g.get("interval") or interval) for g in s.rule_groups()}
+        stats = {g: _stats(v) for g, v in groups.items()}
+        # Every group's time per `interval`: a group of a longer interval (the dashboards' minute) by its share.
+        all_groups = sum(v["mean_ms"] * interval / intervals.get(g, interval) for g, v in stats.items()
+                         if v["mean_ms"] is not None)
         servers[s.name] = {
+            "all_groups_ms_per_round": round(all_groups, 1),
             "targets": len(layout.nodes_of(s)) if s is not layout.global_ else len(layout.shards),
             "head_series": s.head_series(), "rss_mb": round(s.rss_mb(), 1),
             "cpu_s_per_round": round((end.server_cpu[s.name] - start.server_cpu[s.name]) * per_round, 3),
-            "groups": {g: {**_stats(v), "iterations_missed": missed[s.name].get(g, 0.0)} for g, v in groups.items()},
+            "groups": {g: {**stats[g], "iterations_missed": missed[s.name].get(g, 0.0)} for g in groups},
             "heaviest_rules": watcher.heaviest_rules(s.name, start.started, end.started, HEAVIEST_RULES),
         }
     requests = end.fleet_requests - start.fleet_requests
@@ -264,6 +279,11 @@ def desync(watcher: Watcher, fleet: FakeFleet, culprit: int, pg: str, since: flo
     fault = fleet.desync(culprit, pg)
     fired = watcher.until(lambda: any(state == "firing" for (_, _, state) in watcher.desyncs),
                           time.monotonic() + timeout)
+    # The rounds of the hang, once the exporters write its waits and idle ranks (a hang's idle ranks are every
+    # stopped rank's, a few per node and PG, where a healthy job has none): what the rules cost while it lasts.
+    hung = fault.at + WAIT_REPORT_SHARE * fleet.stuck_threshold_s
+    during = {s.name: {g: _fault_stats(v) for g, v in watcher.rounds(s.name, hung, time.time()).items()}
+              for s in layout.servers}
     seen = {f"{rank}/{p}/{state}": round(t - fault.at, 1) for (rank, p, state), t in watcher.desyncs.items()
             if t >= fault.at}
     after = ever_alerted(layout.alerting, DESYNC, fault.at)
@@ -275,7 +295,7 @@ def desync(watcher: Watcher, fleet: FakeFleet, culprit: int, pg: str, since: flo
         "waiters": len(waiters),
         "waiters_on_culprit_shard": sum(shard_of(fleet.topo.node_of(w), len(layout.shards)) == home
                                         for w in waiters) if layout.shards else None,
-        "tier": layout.alerting.name, "fired": fired, "first_seen_s": seen, "named": named,
+        "tier": layout.alerting.name, "fired": fired, "first_seen_s": seen, "named": named, "hung_rounds": during,
         "correct": fired and named == [(str(culprit), pg)],
         "false_before_fault": before,
     }
@@ -431,6 +451,10 @@ def _print_rules(r: dict[str, Any]) -> None:
             print(f"  {head}  {group:<30} {_ms(g):>22} {_ms(solo):>22} {g['iterations_missed']:>6.0f}")
             first = False
     for name, s in t["servers"].items():
+        if "all_groups_ms_per_round" in s:
+            print(f"  {name}: all groups {s['all_groups_ms_per_round']:.0f} ms per {r['interval_s']:g} s round "
+                  f"(a group of a longer interval counted by its share of it)")
+    for name, s in t["servers"].items():
         heavy = s.get("heaviest_rules") or {}
         if heavy:
             print(f"\n  {name}: its {len(heavy)} heaviest rules, mean / max ms per evaluation (rounds):")
@@ -457,6 +481,9 @@ def _print_rules(r: dict[str, Any]) -> None:
     print(f"    first seen (s after the fault): {d['first_seen_s'] or 'nothing'}")
     print(f"    named {d['named']} -> {'exactly the culprit' if d['correct'] else 'WRONG'}; desyncs before the "
           f"fault: {d['false_before_fault'] or 'none'}")
+    for name, groups in d.get("hung_rounds", {}).items():
+        print(f"    {name} while hung (waits and idle ranks written), ms mean / max (rounds): "
+              + ", ".join(f"{g} {_ms(v)}" for g, v in groups.items()))
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
