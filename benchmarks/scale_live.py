@@ -309,9 +309,22 @@ def _raw_servers(layout: PromLayout) -> list[PromServer]:
     return layout.shards or [layout.alerting]
 
 
-def analyze(layout: PromLayout, culprit: int, pg: str, busy: bool = True) -> dict[str, Any]:
+def _holds_every_rank(layout: PromLayout) -> Callable[[], bool]:
+    """Whether the servers that hold the ranks' series hold every rank of the fleet now (a scrape that failed
+    marks its node's series stale until the next one succeeds)."""
+    raw = _raw_servers(layout)
+
+    def every_rank() -> bool:
+        held = sum(s.value(f'count(frexporter_rank_up{{job_id="{JOB_ID}"}})') or 0 for s in raw)
+        return held == layout.fleet.topo.world
+
+    return every_rank
+
+
+def analyze(layout: PromLayout, culprit: int, pg: str, busy: bool = True, timeout: float = 600.0) -> dict[str, Any]:
     """``frexporter analyze --prometheus`` over the servers that hold the ranks' series, while their rules run
-    (``busy``) and with every rule paused (as on servers of its own)."""
+    (``busy``) and with every rule paused (as on servers of its own). The in-process analysis holds this process'
+    GIL, which the fleet's thread needs to answer scrapes: before the second, the servers hold every rank again."""
     urls = [s.url for s in _raw_servers(layout)]
     expected = [("missing_rank", pg, [culprit])]
     out: dict[str, Any] = {"servers": len(urls)}
@@ -320,6 +333,9 @@ def analyze(layout: PromLayout, culprit: int, pg: str, busy: bool = True) -> dic
     for server in layout.servers:
         server.reload(PAUSED_INTERVAL)
     try:
+        waited = time.monotonic()
+        Watcher(layout, poll_s=2.0).until(_holds_every_rank(layout), time.monotonic() + timeout)
+        out["rules_paused_wait_s"] = round(time.monotonic() - waited, 1)
         out["rules_paused"] = time_analyze(urls, JOB_ID, expected)
     finally:
         for server in layout.servers:
@@ -334,14 +350,8 @@ def analyze_only(layout: PromLayout, fleet: FakeFleet, culprit: int, pg: str, in
     and been scraped so."""
     for server in layout.servers:
         server.reload(PAUSED_INTERVAL)
-    raw = _raw_servers(layout)
-
-    def every_rank() -> bool:
-        held = sum(s.value(f'count(frexporter_rank_up{{job_id="{JOB_ID}"}})') or 0 for s in raw)
-        return held == fleet.topo.world
-
     watcher = Watcher(layout, poll_s=min(2.0, interval / 4))
-    if not watcher.until(every_rank, time.monotonic() + timeout):
+    if not watcher.until(_holds_every_rank(layout), time.monotonic() + timeout):
         raise RuntimeError(f"the servers never held all {fleet.topo.world} ranks")
     fault = fleet.desync(culprit, pg, cascade)
     waited = fault.at + fleet.stuck_threshold_s + 2 * interval
@@ -422,7 +432,9 @@ def print_report(r: dict[str, Any]) -> None:
         _print_rules(r)
     a = r["analyze"]
     print(f"\n  frexporter analyze --prometheus over {a['servers']} server(s) holding the ranks' series:")
-    for when, label in (("busy", "their rules running"), ("rules_paused", "their rules paused")):
+    paused = "their rules paused" + (f" (once they held every rank again, {a['rules_paused_wait_s']:g} s later)"
+                                     if "rules_paused_wait_s" in a else "")
+    for when, label in (("busy", "their rules running"), ("rules_paused", paused)):
         if when in a:
             t = a[when]
             print(f"    {label}: {t['cli_s']:.2f} s as a CLI, {t['in_process_s']:.2f} s in process; {t['ranks_seen']} "
@@ -523,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = run(args)
     emit(report, args.json, print_report)
-    analyzed = all(a["correct"] for key, a in report["analyze"].items() if key != "servers")
+    analyzed = all(report["analyze"][key]["correct"] for key in ("busy", "rules_paused") if key in report["analyze"])
     if args.analyze_only:
         return 0 if analyzed else 1
     d = report["desync"]
