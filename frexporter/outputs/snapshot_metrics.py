@@ -49,17 +49,13 @@ def _report_limit(pg: PGState) -> float | None:
     return pg.stuck_threshold_seconds if pg.stuck_threshold_seconds is not None else pg.stuck_ceiling_seconds
 
 
-def reported_idle(pg: PGState, now: float) -> bool:
-    """Whether the rank is idle in the PG as the exporter reports it (a desync's candidate culprit): no collective
-    of the PG enqueued and not completed, and its completed seq has not advanced for WAIT_REPORT_SHARE of the PG's
-    stuck threshold at ``now`` on this node's clock, or never has. A culprit that never enqueued the collective its
-    peers wait on completed its last one before they began to wait, so it is idle by the time they are; a rank that
-    is down is idle too (FrexporterRankDown pages for it as well). False where the PG knows no threshold."""
-    return _idle(pg, collective_wait_start(pg), now)
-
-
-def _idle(pg: PGState, flying: float | None, now: float) -> bool:
-    """reported_idle, given the PG's collective_wait_start."""
+def reported_idle(pg: PGState, flying: float | None, now: float) -> bool:
+    """Whether the rank is idle in the PG as the exporter reports it (a desync's candidate culprit), given the PG's
+    collective_wait_start ``flying``: no collective of the PG enqueued and not completed, and its completed seq has
+    not advanced for WAIT_REPORT_SHARE of the PG's stuck threshold at ``now`` on this node's clock, or never has. A
+    culprit that never enqueued the collective its peers wait on completed its last one before they began to wait,
+    so it is idle by the time they are; a rank that is down is idle too (FrexporterRankDown pages for it as well).
+    False where the PG knows no threshold."""
     limit = _report_limit(pg)
     if flying is not None or limit is None:
         return False
@@ -277,7 +273,7 @@ class SnapshotCollector(Collector):
                 if flying is not None:
                     oldest.add_sample(oldest.name, key, flying)
                 start = _reported(r, pg, flying, snap.time)
-                if _idle(pg, flying, snap.time):
+                if reported_idle(pg, flying, snap.time):
                     candidates.add(r, pg, key)
                 if start is not None:
                     wait_start.add_sample(wait_start.name, key, start)
