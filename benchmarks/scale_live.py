@@ -30,6 +30,10 @@ and timings (``--interval``, ``--scale`` change them).
 The fleet server is one Python thread of this process; its CPU per round is reported so that the reader sees
 what the simulation costs next to Prometheus. Everything runs on this machine's CPUs, which the report states.
 
+``--quiet pp``: the pipeline groups run no collective (they only send and receive, as on a real pipeline), so
+their ranks are idle all along and every node writes them as idle ranks (``frexporter_pg_idle_seq``), the
+desync candidates' cost in a job that has such PGs; the default job runs collectives in every PG and writes none.
+
 Run: ``python -m benchmarks.scale_live --nodes 16 --layout tiered --shards 2 --rounds 2`` (a few minutes);
 ``--json`` for the numbers. Exit status 1 when the alert or the analysis was wrong, missing, or a rule failed to
 evaluate.
@@ -369,14 +373,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="frexporter-scale-live-"))
     t0 = time.monotonic()
     template = real_exposition()
-    fleet = FakeFleet(args.nodes, pp=args.pp, scale=args.scale, template=template)
+    fleet = FakeFleet(args.nodes, pp=args.pp, scale=args.scale, template=template, quiet=args.quiet)
     culprit, pg = cross_shard_desync(fleet.topo, max(args.shards, 1))
     report: dict[str, Any] = {
         "nodes": args.nodes, "ranks": fleet.topo.world, "pp": fleet.topo.pp, "dp": fleet.topo.replicas,
         "layout": args.layout, "shards": shards, "interval_s": args.interval, "scale": args.scale,
         "rounds": args.rounds, "cpus": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
         "prometheus": prometheus_version(), "fleet_setup_s": round(time.monotonic() - t0, 1),
-        "stuck_threshold_s": fleet.stuck_threshold_s,
+        "stuck_threshold_s": fleet.stuck_threshold_s, "quiet": sorted(args.quiet),
     }
     round_timeout = (WARMUP_ROUNDS + args.rounds + 4) * args.interval * 3 + 120
     make = layout_factory(args.layout, fleet, workdir, max(args.shards, 1), args.interval, args.scale)
@@ -425,6 +429,8 @@ def print_report(r: dict[str, Any]) -> None:
     tiers = f"{r['shards']} shards + global" if r["layout"] == "tiered" else "one Prometheus"
     print(f"Live: {r['nodes']} nodes x {RANKS_PER_NODE} ranks = {r['ranks']} ranks, 4 PGs per rank (WORLD, TP 8, "
           f"PP {r['pp']} stages, DP {r['dp']}); layout {r['layout']} ({tiers})")
+    if r.get("quiet"):
+        print(f"Quiet PG kinds (no collective, their ranks idle in every state): {', '.join(r['quiet'])}")
     print(f"Measured on this machine: {r['cpus']} CPUs ({r['cpu_affinity']} usable), {r['prometheus']}; scrape and "
           f"evaluation every {r['interval_s']:g} s, rules and fleet thresholds at scale {r['scale']:g} (stuck "
           f"threshold {r['stuck_threshold_s']:g} s). Every Prometheus and the fleet server share these CPUs.")
@@ -532,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --analyze-only: the hang spreads into the tensor-parallel group of every waiter "
                              "(their nodes' other ranks wait in it), as on a real job")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, TSDBs)")
+    parser.add_argument("--quiet", action="append", default=[], choices=("world", "tp", "pp", "dp"),
+                        help="a PG kind that runs no collective (a pipeline group that only sends and receives): "
+                             "its ranks are idle in every state, as their exporters write them; repeatable")
     args = parser.parse_args(argv)
     report = run(args)
     emit(report, args.json, print_report)

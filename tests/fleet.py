@@ -33,7 +33,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -361,10 +361,20 @@ State = Healthy | Desync | Skew | Straggler
 class NodeRenderer:
     """Turns the template into one node's %-format string for a state (rendered once per state change)."""
 
-    def __init__(self, families: list[Family], topo: Topology, scale: float) -> None:
+    def __init__(self, families: list[Family], topo: Topology, scale: float, quiet: frozenset[str] = frozenset(),
+                 quiet_since: float = 0.0) -> None:
         self.families = families
         self.topo = topo
         self.scale = scale
+        # PG kinds that run no collective (a pipeline group that only sends and receives): their seqs stand still
+        # and every node writes their idle ranks in every state, as the exporter does once they stood half a
+        # threshold.
+        self.quiet = quiet
+        at = f"{quiet_since:.3f}"
+        self._quiet_values = PgValues(str(SEQ0), str(SEQ0), "0", at, None)
+
+    def _values(self, state: State, rank: int, pg: Pg) -> PgValues:
+        return self._quiet_values if pg.kind in self.quiet else state.pg(rank, pg)
 
     def render(self, node: int, state: State) -> tuple[str, str]:
         """The node's text, and (healthy) its in-flight lines, which the text takes in its ``%(inflight)s`` slot
@@ -385,13 +395,16 @@ class NodeRenderer:
                 out.extend(self._sample(node, s, state))
         if isinstance(state, Straggler):
             out.extend(self._waits(node, state))
+        if self.quiet:
+            out.append(self._idle(node, state, quiet=True))
         if isinstance(state, Desync | Skew):
+            # (Right after the quiet PGs' idle ranks, if any, which carry the family's header: one family, whole.)
             # The exporter's waits (frexporter_pg_wait_*) and idle ranks (frexporter_pg_idle_seq): every wait of
             # these states began at state.at, and every rank with nothing in flight completed its last collective
             # then, so they show together, once that is WAIT_REPORT_SHARE of the stuck threshold ago
             # (FakeFleet.render). A healthy job, all of whose PGs run, has neither.
             out.append("%(inflight)s")
-            flying = [*self._pg_waits(node, state), self._idle(node, state)]
+            flying = [self._idle(node, state, quiet=False, header=not self.quiet), *self._pg_waits(node, state)]
         return "".join(out), "".join(flying)
 
     def _limit(self, name: str) -> float:
@@ -405,7 +418,7 @@ class NodeRenderer:
         for local in range(RANKS_PER_NODE):
             rank = node * RANKS_PER_NODE + local
             for pg in self.topo.pgs(rank):
-                values = state.pg(rank, pg)
+                values = self._values(state, rank, pg)
                 if values.oldest is None:
                     continue
                 labels = {"job_id": JOB_ID, "pg": pg.name, "pg_desc": pg.desc, "rank": str(rank)}
@@ -418,23 +431,25 @@ class NodeRenderer:
                                                                {**labels, n.L_LIMIT: limit}, _num(seconds)))
         return [_escape(f"# TYPE {name} gauge\n") + "".join(lines) for name, lines in fams.items()]
 
-    def _idle(self, node: int, state: Desync | Skew) -> str:
+    def _idle(self, node: int, state: State, quiet: bool, header: bool = True) -> str:
         """The node's idle ranks as the exporter writes them: per PG, the IDLE_CANDIDATES_PER_NODE ranks of the
-        lowest (seq, rank) among those with nothing in flight in it."""
+        lowest (seq, rank) among those with nothing in flight in it; of the quiet PG kinds, or of the others."""
         by_pg: dict[Pg, list[tuple[int, int]]] = {}
         for local in range(RANKS_PER_NODE):
             rank = node * RANKS_PER_NODE + local
             for pg in self.topo.pgs(rank):
-                values = state.pg(rank, pg)
+                if (pg.kind in self.quiet) != quiet:
+                    continue
+                values = self._values(state, rank, pg)
                 if values.oldest is None:
                     by_pg.setdefault(pg, []).append((int(values.enqueued), rank))
-        lines = [f"# TYPE {n.PG_IDLE_SEQ} gauge\n"]
+        lines = [_escape(f"# TYPE {n.PG_IDLE_SEQ} gauge\n")] if header else []
         for pg, found in by_pg.items():
             for seq, rank in sorted(found)[:IDLE_CANDIDATES_PER_NODE]:
                 labels = {"job_id": JOB_ID, "pg": pg.name, "pg_desc": pg.desc, "rank": str(rank),
                           "hostname": f"node-{node:04d}"}
                 lines.append(_line(n.PG_IDLE_SEQ, labels, str(seq)))
-        return _escape("".join(lines[:1])) + "".join(lines[1:])
+        return "".join(lines)
 
     def _waits(self, node: int, state: Straggler) -> list[str]:
         lines = [f"# HELP {WAIT} Seconds the rank waits inside this PG's collectives.\n# TYPE {WAIT} gauge\n"]
@@ -487,7 +502,7 @@ class NodeRenderer:
         rank, labels = self._rank_labels(node, dict(s.labels))
         pg = self.topo.pg(node, rank % RANKS_PER_NODE, kind)
         labels.update(pg=pg.name, pg_desc=pg.desc)
-        values = state.pg(rank, pg)
+        values = self._values(state, rank, pg)
         value = {ENQUEUED: values.enqueued, COMPLETED: values.completed, INFLIGHT: values.inflight,
                  PROGRESS: values.progress}.get(s.name, _num(s.value))
         return _line(s.name, labels, value)
@@ -514,7 +529,7 @@ class NodeRenderer:
         for local in range(RANKS_PER_NODE):
             rank = node * RANKS_PER_NODE + local
             for pg in self.topo.pgs(rank):
-                oldest = state.pg(rank, pg).oldest
+                oldest = self._values(state, rank, pg).oldest
                 if oldest is not None:
                     labels = {"job_id": JOB_ID, "pg": pg.name, "pg_desc": pg.desc, "rank": str(rank)}
                     lines.append(_line(OLDEST, labels, oldest))
@@ -571,12 +586,18 @@ class _Handler(BaseHTTPRequestHandler):
 class FakeFleet:
     """N nodes' /metrics from one thread on one loopback port; see the module docstring."""
 
-    def __init__(self, nodes: int, pp: int = 0, scale: float = 1.0, template: str | None = None) -> None:
+    def __init__(self, nodes: int, pp: int = 0, scale: float = 1.0, template: str | None = None,
+                 quiet: Collection[str] = ()) -> None:
+        """``quiet``: PG kinds (of TEMPLATE_PG_KINDS) that run no collective, idle since well before the start."""
         self.topo = Topology(nodes, pp)
         self.scale = scale
         self.t0 = time.time()
         self._healthy = Healthy(self.t0, scale)
-        self._renderer = NodeRenderer(template_families(template or real_exposition()), self.topo, scale)
+        unknown = set(quiet) - set(TEMPLATE_PG_KINDS.values())
+        if unknown:
+            raise ValueError(f"no PG kind {sorted(unknown)} (kinds: {sorted(TEMPLATE_PG_KINDS.values())})")
+        self._renderer = NodeRenderer(template_families(template or real_exposition()), self.topo, scale,
+                                      frozenset(quiet), self.t0 - 3600.0)
         self._paths = {node_path(n): n for n in range(nodes)}
         # The state and every node's text for it, swapped as one: a scrape never meets one without the other.
         self._healthy_texts = self._render_all(self._healthy)
