@@ -29,15 +29,10 @@ def collective_wait_start(pg: PGState) -> float | None:
     return first.created
 
 
-def reported_wait(rank: RankState, pg: PGState, now: float) -> float | None:
-    """The start of the rank's wait in the PG (collective_wait_start), if it is one the waits report: the rank is
-    up and has waited WAIT_REPORT_SHARE of the PG's stuck threshold (of its ceiling where none is learned) at
-    ``now``, on this node's clock. None otherwise, and where the PG knows no threshold at all."""
-    return _reported(rank, pg, collective_wait_start(pg), now)
-
-
-def _reported(rank: RankState, pg: PGState, start: float | None, now: float) -> float | None:
-    """reported_wait, given the PG's collective_wait_start."""
+def reported_wait(rank: RankState, pg: PGState, start: float | None, now: float) -> float | None:
+    """The start of the rank's wait in the PG, given the PG's collective_wait_start ``start``, if it is one the
+    waits report: the rank is up and has waited WAIT_REPORT_SHARE of the PG's stuck threshold (of its ceiling where
+    none is learned) at ``now``, on this node's clock. None otherwise, and where the PG knows no threshold at all."""
     limit = _report_limit(pg)
     if not rank.up or start is None or limit is None or now - start < WAIT_REPORT_SHARE * limit:
         return None
@@ -272,7 +267,7 @@ class SnapshotCollector(Collector):
                 flying = collective_wait_start(pg)
                 if flying is not None:
                     oldest.add_sample(oldest.name, key, flying)
-                start = _reported(r, pg, flying, snap.time)
+                start = reported_wait(r, pg, flying, snap.time)
                 if reported_idle(pg, flying, snap.time):
                     candidates.add(r, pg, key)
                 if start is not None:
