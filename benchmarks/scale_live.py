@@ -78,6 +78,7 @@ from tests.rulefile import alert_for, load_rules
 
 DESYNC = "FrexporterCollectiveDesync"
 HEAVIEST_RULES = 12  # the rules each Prometheus reports by their own evaluationTime
+HUNG_HEAVIEST_RULES = 4  # the same during the hang, which the waits and idle ranks make costlier
 WARMUP_ROUNDS = 1  # the first evaluation after a start or a reload: cold caches, or overlapping a paused group
 PAUSED_INTERVAL = "1d"  # a group's next evaluation lands a day away (its offset in the interval): paused
 FLOOR_GROUP = "floor"
@@ -286,8 +287,10 @@ def desync(watcher: Watcher, fleet: FakeFleet, culprit: int, pg: str, since: flo
     # The rounds of the hang, once the exporters write its waits and idle ranks (a hang's idle ranks are every
     # stopped rank's, a few per node and PG, where a healthy job has none): what the rules cost while it lasts.
     hung = fault.at + WAIT_REPORT_SHARE * fleet.stuck_threshold_s
-    during = {s.name: {g: _fault_stats(v) for g, v in watcher.rounds(s.name, hung, time.time()).items()}
+    now = time.time()
+    during = {s.name: {g: _fault_stats(v) for g, v in watcher.rounds(s.name, hung, now).items()}
               for s in layout.servers}
+    during_rules = {s.name: watcher.heaviest_rules(s.name, hung, now, HUNG_HEAVIEST_RULES) for s in layout.servers}
     seen = {f"{rank}/{p}/{state}": round(t - fault.at, 1) for (rank, p, state), t in watcher.desyncs.items()
             if t >= fault.at}
     after = ever_alerted(layout.alerting, DESYNC, fault.at)
@@ -300,6 +303,7 @@ def desync(watcher: Watcher, fleet: FakeFleet, culprit: int, pg: str, since: flo
         "waiters_on_culprit_shard": sum(shard_of(fleet.topo.node_of(w), len(layout.shards)) == home
                                         for w in waiters) if layout.shards else None,
         "tier": layout.alerting.name, "fired": fired, "first_seen_s": seen, "named": named, "hung_rounds": during,
+        "hung_heaviest_rules": during_rules,
         "correct": fired and named == [(str(culprit), pg)],
         "false_before_fault": before,
     }
@@ -502,6 +506,9 @@ def _print_rules(r: dict[str, Any]) -> None:
     for name, groups in d.get("hung_rounds", {}).items():
         print(f"    {name} while hung (waits and idle ranks written), ms mean / max (rounds): "
               + ", ".join(f"{g} {_ms(v)}" for g, v in groups.items()))
+    for name, heavy in d.get("hung_heaviest_rules", {}).items():
+        print(f"    {name} while hung, its {len(heavy)} heaviest rules, mean / max ms per evaluation (rounds): "
+              + ", ".join(f"{rule} {_ms(stats)}" for rule, stats in heavy.items()))
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
