@@ -130,6 +130,12 @@ class Topology:
             return Pg(f"dp{(node // self.replicas) * RANKS_PER_NODE + local}", "dp", self.replicas, kind)
         raise ValueError(kind)
 
+    @property
+    def pg_count(self) -> int:
+        """Distinct PGs of the job: WORLD, one tensor-parallel group per node, one pipeline per (replica, local
+        rank), one data-parallel group per (stage, local rank)."""
+        return 1 + self.nodes + (self.replicas + self.pp) * RANKS_PER_NODE
+
     def pgs(self, rank: int) -> list[Pg]:
         node, local = divmod(rank, RANKS_PER_NODE)
         return [self.pg(node, local, kind) for kind in TEMPLATE_PG_KINDS.values()]
@@ -954,12 +960,11 @@ class PromLayout:
         return [] if server is self.global_ else list(range(self.fleet.nodes))
 
     def complete(self) -> bool:
-        """Whether the alerting server's rules have run on every rank's series: the global-tier records count every
-        rank, in every one of its 4 PGs (through every shard, on the tiered layout)."""
-        world = self.fleet.topo.world
-        ranks = self.alerting.value(f'sum(job_id:frexporter_rank_up:sum{{job_id="{JOB_ID}"}})')
-        memberships = self.alerting.value(f'sum(job_id_pg:frexporter_pg_ranks:count{{job_id="{JOB_ID}"}})')
-        return ranks == world and memberships == world * len(TEMPLATE_PG_KINDS)
+        """Whether the alerting server's rules have run on every rank's series (through every shard, on the tiered
+        layout): the ranks group counts every rank, and the dashboards group has recorded every PG."""
+        ranks = self.alerting.value(f'sum(job_id_shard:frexporter_rank_info:count{{job_id="{JOB_ID}"}})')
+        pgs = self.alerting.value(f'count(job_id_pg:frexporter_pg_last_enqueued_seq:max{{job_id="{JOB_ID}"}})')
+        return ranks == self.fleet.topo.world and pgs == self.fleet.topo.pg_count
 
     def wait_complete(self, timeout: float) -> None:
         wait_for(self._complete_or_dead, timeout=timeout, interval=0.2,

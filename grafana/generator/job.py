@@ -33,16 +33,14 @@ from .promql import (
     FREXPORTER_SCRAPE_JOB,
     JOB,
     R_BUDGET_USED,
-    R_COMPLETED_MIN,
     R_ENQUEUED_MAX,
+    R_ENQUEUED_MIN,
     R_ENQUEUED_SKEW,
-    R_HEARTBEAT_AGE_MAX,
-    R_OLDEST_INFLIGHT_AGE,
-    R_PG_RANKS,
-    R_PG_RANKS_INFLIGHT,
-    R_RANKS_UP_SUM,
+    R_OLDEST_WAIT_AGE,
+    R_PG_RANKS_WAITING,
     UP,
     activity_age,
+    age,
     budget_left,
     by,
     increase,
@@ -82,7 +80,7 @@ def _health(b: Board) -> None:
         stat(decimals=0),
         "Ranks up",
         "Ranks whose process answered the exporter's last poll (frexporter_rank_up summed over the job).",
-        sel(R_RANKS_UP_SUM, JOB),
+        f"sum({sel(n.RANK_UP, JOB)})",
         width=w,
     )
     b.value(
@@ -107,7 +105,7 @@ def _health(b: Board) -> None:
         stat(decimals=0),
         "Process groups",
         "Process groups of the job, by cross-rank name (the default group, TP/PP/DP subgroups, ...).",
-        f"count({sel(R_PG_RANKS, JOB)})",
+        f"count({sel(R_ENQUEUED_MAX, JOB)})",
         width=w,
     )
     b.value(
@@ -127,10 +125,11 @@ def _health(b: Board) -> None:
         needs=frozenset(),
     )
     b.value(
-        stat(unit="percentunit", thresholds=BUDGET_STEPS, no_value="nothing in flight"),
+        stat(unit="percentunit", thresholds=BUDGET_STEPS, no_value="no rank waiting"),
         "Worst watchdog budget used",
-        "Largest share of the watchdog timeout used by an in-flight collective, over all process groups. "
-        "The watchdog aborts the job at 100%; FrexporterWatchdogBudget pages by 50%.",
+        "Largest share of the watchdog timeout used by a waiting collective (in flight for half its group's stuck "
+        "threshold or more), over all process groups. The watchdog aborts the job at 100%; "
+        "FrexporterWatchdogBudget pages by 50%.",
         f"max({sel(R_BUDGET_USED, JOB)})",
         width=w,
     )
@@ -139,7 +138,7 @@ def _health(b: Board) -> None:
         "Oldest heartbeat",
         "Age of the stalest rank heartbeat. The heartbeat is written from Python every second: a large age on a "
         "rank that is up means its interpreter is wedged (FrexporterRankUnresponsive).",
-        sel(R_HEARTBEAT_AGE_MAX, JOB),
+        f"max({age(sel(n.RANK_HEARTBEAT_TIMESTAMP_SECONDS, JOB))})",
         width=w,
     )
 
@@ -208,9 +207,9 @@ def _progress(b: Board) -> None:
     b.series(
         timeseries(unit="ops", links=[series_link_pg()]),
         "Progress per process group",
-        "Collectives per second completed by the slowest rank of each process group. A group at zero while "
+        "Collectives per second enqueued by the slowest rank of each process group. A group at zero while "
         "others advance is stuck (or idle by design, e.g. a pipeline group between micro-batches).",
-        rate(sel(R_COMPLETED_MIN, JOB)),
+        rate(sel(R_ENQUEUED_MIN, JOB)),
         legend=PG_LEGEND,
         width=12,
         height=8,
@@ -227,26 +226,28 @@ def _progress(b: Board) -> None:
         height=8,
     )
     columns = {
-        "ranks": R_PG_RANKS,
-        "ranks in flight": R_PG_RANKS_INFLIGHT,
-        "min completed": R_COMPLETED_MIN,
-        "max enqueued": R_ENQUEUED_MAX,
-        "skew": R_ENQUEUED_SKEW,
-        "oldest in flight": R_OLDEST_INFLIGHT_AGE,
-        "budget used": R_BUDGET_USED,
+        # Members reporting, read when the table loads: a current value, not worth a pass over every rank's
+        # seqs each minute in the rules.
+        "ranks": f"count {by(*_BY_PG)} ({sel(n.PG_LAST_ENQUEUED_SEQ, JOB)})",
+        "ranks waiting": _per_pg(R_PG_RANKS_WAITING),
+        "min enqueued": _per_pg(R_ENQUEUED_MIN),
+        "max enqueued": _per_pg(R_ENQUEUED_MAX),
+        "skew": _per_pg(R_ENQUEUED_SKEW),
+        "oldest wait": _per_pg(R_OLDEST_WAIT_AGE),
+        "budget used": _per_pg(R_BUDGET_USED),
     }
     b.panel(
         table(
             merge=True,
             links=(n.L_PG,),
-            units={"oldest in flight": "s", "budget used": "percentunit"},
+            units={"oldest wait": "s", "budget used": "percentunit"},
             sort_by="skew",
         ),
         "Process group status",
-        "Every process group of the job now: ranks reporting and with work in flight, the slowest rank's completed "
-        "sequence, the furthest rank's enqueued sequence, the skew of enqueued sequences across ranks, the oldest "
-        "in-flight collective and the watchdog budget it used. Click a group to see its ranks.",
-        [Target(_per_pg(rule), instant=True, column=column) for column, rule in columns.items()],
+        "Every process group of the job now: ranks reporting and waiting (a collective in flight for half the "
+        "group's stuck threshold or more), the slowest and the furthest rank's enqueued sequence, their skew, the "
+        "oldest wait and the watchdog budget it used. Click a group to see its ranks.",
+        [Target(expr, instant=True, column=column) for column, expr in columns.items()],
         width=24,
         height=8,
         table=True,
@@ -258,8 +259,9 @@ def _watchdog(b: Board) -> None:
     b.series(
         timeseries(unit="percentunit", max_val=1, thresholds=BUDGET_STEPS, links=[series_link_pg()]),
         "Watchdog budget used per process group",
-        "Share of the watchdog timeout used by each group's oldest in-flight collective (worst rank). Healthy jobs "
-        "stay near 0; a climbing line is a hang heading for the watchdog abort at 100%.",
+        "Share of the watchdog timeout used by each group's oldest wait (a collective in flight for half the "
+        "group's stuck threshold or more, worst rank). Healthy jobs draw no line; a climbing line is a hang "
+        "heading for the watchdog abort at 100%.",
         sel(R_BUDGET_USED, JOB),
         legend=PG_LEGEND,
         width=8,
@@ -277,10 +279,11 @@ def _watchdog(b: Board) -> None:
     )
     b.series(
         timeseries(unit="s", links=[series_link_pg()]),
-        "Oldest in-flight collective per process group",
-        "Age of the oldest collective enqueued and not completed on any rank of each group. Short spikes are "
-        "normal; a line that keeps rising is a hang.",
-        sel(R_OLDEST_INFLIGHT_AGE, JOB),
+        "Oldest wait per process group",
+        "Age of the oldest collective enqueued and not completed on any rank of each group, once it has been in "
+        "flight for half the group's stuck threshold (shorter ones are a healthy job's). A line that keeps "
+        "rising is a hang.",
+        sel(R_OLDEST_WAIT_AGE, JOB),
         legend=PG_LEGEND,
         width=8,
         height=8,

@@ -26,8 +26,7 @@ from .promql import (
     R_ARRIVAL_LOSS,
     R_BUDGET_USED,
     R_ENQUEUED_SKEW,
-    R_PG_RANKS,
-    R_PG_RANKS_INFLIGHT,
+    R_PG_RANKS_WAITING,
     R_WAIT_LAG,
     R_WAIT_LOSS,
     age,
@@ -88,14 +87,14 @@ def _summary(b: Board) -> None:
         stat(decimals=0),
         "Ranks reporting",
         "Ranks of this group some exporter reports; fewer than the size means ranks on an unscraped node.",
-        sel(R_PG_RANKS, *PG),
+        f"count({sel(n.PG_LAST_ENQUEUED_SEQ, *PG)})",
         width=w,
     )
     b.value(
         stat(decimals=0, no_value="0"),
-        "Ranks in flight",
-        "Ranks with a collective enqueued and not completed.",
-        sel(R_PG_RANKS_INFLIGHT, *PG),
+        "Ranks waiting",
+        "Ranks with a collective enqueued and not completed for half the group's stuck threshold or more.",
+        sel(R_PG_RANKS_WAITING, *PG),
         width=w,
     )
     b.value(
@@ -113,9 +112,10 @@ def _summary(b: Board) -> None:
         width=w,
     )
     b.value(
-        stat(unit="percentunit", thresholds=BUDGET_STEPS, no_value="nothing in flight"),
+        stat(unit="percentunit", thresholds=BUDGET_STEPS, no_value="no rank waiting"),
         "Budget used",
-        "Share of the watchdog timeout used by the oldest in-flight collective.",
+        "Share of the watchdog timeout used by the oldest wait (a collective in flight for half the group's stuck "
+        "threshold or more).",
         sel(R_BUDGET_USED, *PG),
         width=w,
     )

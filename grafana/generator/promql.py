@@ -30,12 +30,10 @@ def _rule(level: str, metric: str, agg: str) -> str:
 
 _JOB_PG = f"{n.L_JOB_ID}_{n.L_PG}"
 R_ENQUEUED_MAX = _rule(_JOB_PG, n.PG_LAST_ENQUEUED_SEQ, "max")
+R_ENQUEUED_MIN = _rule(_JOB_PG, n.PG_LAST_ENQUEUED_SEQ, "min")
 R_ENQUEUED_SKEW = _rule(_JOB_PG, n.PG_LAST_ENQUEUED_SEQ, "skew")
-R_COMPLETED_MIN = _rule(_JOB_PG, n.PG_LAST_COMPLETED_SEQ, "min")
-R_COMPLETED_SKEW = _rule(_JOB_PG, n.PG_LAST_COMPLETED_SEQ, "skew")
-R_PG_RANKS = _rule(_JOB_PG, n.PREFIX + "pg_ranks", "count")
-R_PG_RANKS_INFLIGHT = _rule(_JOB_PG, n.PREFIX + "pg_ranks_inflight", "count")
-R_OLDEST_INFLIGHT_AGE = _rule(_JOB_PG, n.PREFIX + "pg_oldest_inflight_age_seconds", "max")
+R_PG_RANKS_WAITING = _rule(_JOB_PG, n.PREFIX + "pg_ranks_waiting", "count")
+R_OLDEST_WAIT_AGE = _rule(_JOB_PG, n.PREFIX + "pg_wait_age_seconds", "max")
 R_BUDGET_USED = _rule(_JOB_PG, n.PREFIX + "pg_watchdog_budget_used_ratio", "max")
 _JOB_PG_RANK = f"{n.L_JOB_ID}_{n.L_PG}_{n.L_RANK}"
 R_WAIT_MEDIAN = _rule(_JOB_PG, n.RANK_COLLECTIVE_WAIT_SECONDS, "median")
@@ -44,9 +42,6 @@ R_WAIT_LOSS = _rule(_JOB_PG_RANK, n.RANK_COLLECTIVE_WAIT_SECONDS, "loss_ratio")
 R_ARRIVAL_MEDIAN = _rule(_JOB_PG, n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS, "median")
 R_ARRIVAL_LAG = _rule(_JOB_PG_RANK, n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS, "lag")
 R_ARRIVAL_LOSS = _rule(_JOB_PG_RANK, n.RANK_COLLECTIVE_ARRIVAL_TIMESTAMP_SECONDS, "loss_ratio")
-R_RANKS_UP_SUM = _rule(n.L_JOB_ID, n.RANK_UP, "sum")
-R_RANKS_UP_COUNT = _rule(n.L_JOB_ID, n.RANK_UP, "count")
-R_HEARTBEAT_AGE_MAX = _rule(n.L_JOB_ID, n.PREFIX + "rank_heartbeat_age_seconds", "max")
 
 # Prometheus' own series (not frexporter's); the only other names a query may use.
 ALERTS = "ALERTS"

@@ -20,8 +20,8 @@ from .promql import (
     R_ARRIVAL_LOSS,
     R_ARRIVAL_MEDIAN,
     R_BUDGET_USED,
-    R_OLDEST_INFLIGHT_AGE,
-    R_PG_RANKS_INFLIGHT,
+    R_OLDEST_WAIT_AGE,
+    R_PG_RANKS_WAITING,
     R_WAIT_LAG,
     R_WAIT_LOSS,
     R_WAIT_MEDIAN,
@@ -38,6 +38,7 @@ class Needs:
 
     RULES = "recording_rules"  # frexporter.rules.yml is loaded into Prometheus
     INFLIGHT = "inflight"  # some rank has a collective in flight (e.g. a hang)
+    WAIT = "wait"  # some rank has had one in flight for half its PG's stuck threshold (a hang)
     VERDICT = "verdict"  # the exporter has an open verdict
     ALERT = "alert"  # a Frexporter* alert is pending or firing
     GPU = "gpu"  # NVML is on and the ranks report a GPU uuid
@@ -50,7 +51,7 @@ class Needs:
     COLLECTIVE_WAITS = "collective_waits"
 
     ALL = frozenset(
-        {RULES, INFLIGHT, VERDICT, ALERT, GPU, XID, NCCL_TIMING, COLLECTIVE_METRICS, RECORDER_ERRORS, SCRAPE_JOB,
+        {RULES, INFLIGHT, WAIT, VERDICT, ALERT, GPU, XID, NCCL_TIMING, COLLECTIVE_METRICS, RECORDER_ERRORS, SCRAPE_JOB,
          COLLECTIVE_WAITS}
     )
 
@@ -59,9 +60,9 @@ class Needs:
 # whenever a job is being scraped.
 _NEEDS_BY_METRIC: dict[str, frozenset[str]] = {
     n.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS: frozenset({Needs.INFLIGHT}),
-    R_PG_RANKS_INFLIGHT: frozenset({Needs.RULES, Needs.INFLIGHT}),
-    R_OLDEST_INFLIGHT_AGE: frozenset({Needs.RULES, Needs.INFLIGHT}),
-    R_BUDGET_USED: frozenset({Needs.RULES, Needs.INFLIGHT}),
+    R_PG_RANKS_WAITING: frozenset({Needs.RULES, Needs.WAIT}),
+    R_OLDEST_WAIT_AGE: frozenset({Needs.RULES, Needs.WAIT}),
+    R_BUDGET_USED: frozenset({Needs.RULES, Needs.WAIT}),
     n.VERDICT: frozenset({Needs.VERDICT}),
     ALERTS: frozenset({Needs.ALERT}),
     UP: frozenset({Needs.SCRAPE_JOB}),

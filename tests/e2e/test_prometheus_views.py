@@ -128,7 +128,7 @@ def _judged(v: Verdict) -> tuple[object, ...]:
 
 
 # What a CPU gloo job with a desync in flight, watched with the shipped rules, offers the dashboards.
-AVAILABLE = frozenset({"recording_rules", "inflight", "verdict", "alert", "frexporter_scrape_job"})
+AVAILABLE = frozenset({"recording_rules", "inflight", "wait", "verdict", "alert", "frexporter_scrape_job"})
 
 # Every query left out under AVAILABLE, as (dashboard uid, panel title), once per query. Adding a query
 # that this job cannot feed must update this list, and so must a new condition being met.

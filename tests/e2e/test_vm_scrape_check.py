@@ -1,12 +1,13 @@
 """The rules' scrape-time check of in-flight starts holds on VictoriaMetrics as on Prometheus.
 
 A ruler's storage that restarts (or a scraper that does: Prometheus, vmagent) marks nothing stale that vanished
-while it was down, so an in-flight start scraped before the outage stays visible for the 5-minute lookback after
-it. The in-flight ages record keeps only the starts that their node's last scrape carried, by comparing
-``timestamp()`` of the start with ``timestamp()`` of the node's poll time: that holds only where ``timestamp()``
-gives the raw sample's time, not the evaluation's. promtool checks it on Prometheus (the case of
-tests/rules/collectives_test.yml named below); here the same case's input goes into a real victoria-metrics, and
-the record's own expression (the shipped file's, not a copy) is asked as of the case's evaluation times.
+while it was down, so a wait scraped before the outage stays visible for the 5-minute lookback after it. The
+wait ages record keeps only the waits that their node's last scrape carried, by comparing ``timestamp()`` of the
+wait's start with ``timestamp()`` of the node's poll time: that holds only where ``timestamp()`` gives the raw
+sample's time, not the evaluation's. promtool checks it on Prometheus (the case of
+tests/rules/collectives_test.yml named below, whose in-flight start the test fixture turns into the exporter's
+wait); here the same case's input goes into a real victoria-metrics, its in-flight start imported as that wait,
+and the record's own expression (the shipped file's, not a copy) is asked as of the case's evaluation times.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from tests.vmstack import INSTALL_HINT, import_samples, running_victoria_metrics
 
 CASE_FILE = REPO / "tests" / "rules" / "collectives_test.yml"
 CASE = "an in-flight start that the node's last scrape did not carry is no wait"
-AGES = "job_id_pg_rank:frexporter_pg_oldest_inflight_start_timestamp_seconds:age"
-START = "frexporter_pg_oldest_inflight_start_timestamp_seconds"
+AGES = "job_id_pg_rank:frexporter_pg_wait_start_timestamp_seconds:age"
+START = "frexporter_pg_wait_start_timestamp_seconds"
+# The case gives the in-flight start; the exporter reports it as the wait's start (the record's threshold plays
+# no part in the scrape-time check, which is all this test asks).
+INFLIGHT = "frexporter_pg_oldest_inflight_start_timestamp_seconds"
 STALE_RANK = "2"  # the case's rank whose start its node's later scrapes no longer carry
 # The case's input is written this long before now: every evaluation time of the case is in the past (the storage
 # answers for it at once), and well within victoria-metrics' retention.
@@ -82,9 +86,12 @@ def victoria(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, in
     base = int(time.time()) - BACK_S
     lines = []
     for series in case["input_series"]:
+        name = series["series"]
+        if name.startswith(INFLIGHT + "{"):
+            name = START + name[len(INFLIGHT):]
         for i, value in enumerate(expand(series["values"])):
             if value is not None:
-                lines.append(f"{series['series']} {value:g} {(base + i * interval) * 1000}")
+                lines.append(f"{name} {value:g} {(base + i * interval) * 1000}")
     workdir: Path = tmp_path_factory.mktemp("victoria-metrics")
     with running_victoria_metrics(workdir) as url:
         import_samples(url, lines)

@@ -181,7 +181,7 @@ def test_panels_use_the_datasource_variable_and_do_not_overlap(uid: str) -> None
         assert len(set(ref_ids)) == len(ref_ids), panel["title"]
 
 
-_GROUPING = re.compile(r"^(?:clamp_min\()?max by \(([^()]*)\)")
+_GROUPING = re.compile(r"^(?:clamp_min\()?(?:max|count) by \(([^()]*)\)")
 
 
 @pytest.mark.parametrize("uid", list(generate.DASHBOARD_FILES))
@@ -194,7 +194,7 @@ def test_merged_tables_reduce_every_query_to_the_same_labels(uid: str) -> None:
         groupings = set()
         for target in panel["targets"]:
             match = _GROUPING.match(target["expr"])
-            assert match, f"{panel['title']} {target['refId']}: not a max by (...): {target['expr']}"
+            assert match, f"{panel['title']} {target['refId']}: not a max or count by (...): {target['expr']}"
             assert target["format"] == "table" and target["instant"], panel["title"]
             groupings.add(match[1])
         assert len(groupings) == 1, f"{panel['title']}: {groupings}"
@@ -306,8 +306,8 @@ def test_dashboards_cover_the_metrics_that_matter() -> None:
         naming.GPU_NVLINK_ERRORS_TOTAL,
         promql.R_ENQUEUED_SKEW,
         promql.R_BUDGET_USED,
-        promql.R_OLDEST_INFLIGHT_AGE,
-        promql.R_RANKS_UP_SUM,
+        promql.R_OLDEST_WAIT_AGE,
+        promql.R_PG_RANKS_WAITING,
         promql.ALERTS,
     }
     assert required <= used, sorted(required - used)
@@ -360,7 +360,8 @@ def test_all_panel_queries_filters_by_what_a_scenario_provides() -> None:
     assert {uid for uid, _, _ in basic} == set(generate.DASHBOARD_FILES)
     assert not any("frexporter_gpu_" in expr or "job_id_pg:" in expr for _, _, expr in basic)
     cpu_hang = generate.all_panel_queries(
-        available={generate.Needs.RULES, generate.Needs.INFLIGHT, generate.Needs.VERDICT, generate.Needs.ALERT}
+        available={generate.Needs.RULES, generate.Needs.INFLIGHT, generate.Needs.WAIT, generate.Needs.VERDICT,
+                   generate.Needs.ALERT}
     )
     assert set(basic) < set(cpu_hang) < set(everything)
     assert not any("frexporter_gpu_" in expr for _, _, expr in cpu_hang)
@@ -382,4 +383,7 @@ def test_needs_follow_the_series_a_query_reads() -> None:
             assert generate.Needs.VERDICT in query.needs, query
         if naming.PG_OLDEST_INFLIGHT_START_TIMESTAMP_SECONDS in names:
             assert generate.Needs.INFLIGHT in query.needs, query
+        if names & {promql.R_OLDEST_WAIT_AGE, promql.R_PG_RANKS_WAITING, promql.R_BUDGET_USED}:
+            # Records of the waits: none while every collective is younger than half its stuck threshold.
+            assert generate.Needs.WAIT in query.needs, query
         assert query.needs <= generate.Needs.ALL, query

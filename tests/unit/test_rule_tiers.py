@@ -69,12 +69,16 @@ def test_federation_matches_every_export_and_no_exporter_series() -> None:
 
 
 @pytest.mark.parametrize(("expr", "why"), [
-    ("frexporter_rank_up + on (job_id) group_left job_id:frexporter_rank_up:sum", "fits no tier"),
-    ("sum by (job_id) (job_id:frexporter_rank_up:sum)", "fits no tier"),
+    # An exporter's series joined with a global record (a global rule reading what only shards hold), and a
+    # shard export read from a global record.
+    ("frexporter_pg_last_enqueued_seq - on (job_id, pg, pg_desc) group_left "
+     "job_id_pg:frexporter_pg_last_enqueued_seq:max", "fits no tier"),
+    ("max by (job_id, pg, pg_desc) (job_id_pg:frexporter_pg_last_enqueued_seq:max)", "fits no tier"),
 ])
 def test_a_rule_across_the_tiers_the_wrong_way_is_refused(expr: str, why: str) -> None:
     doc = yaml.safe_load(yaml.safe_dump(load_rules()))
-    name = "job_id:frexporter_rank_up:bad" if "frexporter_rank_up +" in expr else "job_id_shard:frexporter_rank_up:bad"
+    metric = "frexporter_pg_last_enqueued_seq"
+    name = f"job_id_pg:{metric}:bad" if expr.startswith(metric) else f"job_id_pg_shard:{metric}:bad"
     doc["groups"][-1]["rules"].append({"record": name, "expr": expr})
     with pytest.raises(rule_tiers.TierError, match=why):
         rule_tiers.classify(doc)

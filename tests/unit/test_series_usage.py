@@ -177,11 +177,10 @@ def test_table_says_who_needs_what(used: su.Usage, rows: list[su.Row]) -> None:
     assert all(not by_name[name].opt_in for recipe in su.RECIPES for name in su.recipe_names(rows, recipe))
     # The reference node's total is the budgeted one.
     assert sum(r.per_rank for r in rows) == 40
-    # Recording rules: the wait ages feed alerts (through the shard exports); the in-flight ages and the PG rank
-    # count only the dashboards.
+    # Recording rules: the wait ages feed alerts (through the shard exports) and the dashboards' waiting ranks,
+    # which only the dashboards read.
     assert used.rules["job_id_pg_rank:frexporter_pg_wait_start_timestamp_seconds:age"] == su.ALERTS
-    assert used.rules["job_id_pg_rank:frexporter_pg_oldest_inflight_start_timestamp_seconds:age"] == su.DASHBOARDS
-    assert used.rules["job_id_pg:frexporter_pg_ranks:count"] == su.DASHBOARDS
+    assert used.rules["job_id_pg:frexporter_pg_ranks_waiting:count"] == su.DASHBOARDS
 
 
 def test_every_per_rank_series_is_in_the_table(rows: list[su.Row]) -> None:
