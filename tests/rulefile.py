@@ -20,7 +20,7 @@ import yaml
 
 from scripts import rule_tiers
 
-__all__ = ["DESYNC_HELD", "E2E_STUCK_AFTER_S", "RULES_PATH", "SCALE_MARKER", "STUCK_WAIT", "alert_for",
+__all__ = ["DESYNC_CANDIDATES", "E2E_STUCK_AFTER_S", "RULES_PATH", "SCALE_MARKER", "STUCK_WAIT", "alert_for",
            "desync_timing", "find_rule", "load_rules", "parse_duration", "render_rules"]
 
 RULES_PATH = Path(__file__).resolve().parent.parent / "frexporter" / "rules" / "frexporter.rules.yml"
@@ -31,7 +31,8 @@ STUCK_WAIT = "job_id_pg_shard:frexporter_pg_wait_age_seconds:stuck_max"
 # shorter one, and a busy culprit's ceiling. The rules keep no threshold of their own: they read each waiting
 # rank's from its exporter (frexporter_pg_wait_limit_seconds).
 E2E_STUCK_AFTER_S = 30.0
-DESYNC_HELD = "job_id_pg_rank_shard:frexporter_rank_activity_since_timestamp_seconds:bottomk_held"
+# The desync candidates the shard tier exports, each with its activity (label culprit_state).
+DESYNC_CANDIDATES = "job_id_pg_rank_shard:frexporter_pg_idle_seq:bottomk"
 
 _UNIT_SECONDS = {
     "ms": 0.001,

@@ -27,7 +27,7 @@ from frexporter.sources import rank_activity
 from frexporter.sources.rank_activity import GPU_WAIT_AFTER, IN_COLLECTIVE_AFTER, classify, next_activity
 from frexporter.spool import parse_snapshot
 from tests.harness import wait_for
-from tests.rulefile import DESYNC_HELD, load_rules
+from tests.rulefile import DESYNC_CANDIDATES, load_rules
 
 USER = (("train_step", "/home/me/train.py", 14),)
 DIST = (("all_reduce", "/x/site-packages/torch/distributed/distributed_c10d.py", 2500), *USER)
@@ -290,6 +290,6 @@ def test_prometheus_view_activity_ends_the_hold_too() -> None:
 def test_the_rules_waiting_states_are_the_models() -> None:
     # The culprit's activity is judged where its series are, in the shard tier's candidate record.
     desync = next(rule for group in load_rules(1.0)["groups"] for rule in group["rules"]
-                  if rule.get("record") == DESYNC_HELD)
+                  if rule.get("record") == DESYNC_CANDIDATES)
     found = re.findall(r'\{state[=!]~"([^"]+)"\}', desync["expr"])
     assert found and all(set(f.split("|")) == set(ACTIVITY_WAITING) for f in found), found

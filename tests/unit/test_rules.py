@@ -16,7 +16,7 @@ from frexporter import naming
 from frexporter.model import BUSY_HOLD_SECONDS
 from tests.harness import REPO
 from tests.rulefile import (
-    DESYNC_HELD,
+    DESYNC_CANDIDATES,
     RULES_PATH,
     SCALE_MARKER,
     STUCK_WAIT,
@@ -206,7 +206,7 @@ def test_load_rules_scaled_desync_timing() -> None:
 
 def test_desync_busy_hold_is_the_model_s() -> None:
     """The alert's "busy within the last minute" is the node verdict's BUSY_HOLD_SECONDS (one answer)."""
-    held = next(rule for rule in shipped_rules() if rule.get("record") == DESYNC_HELD)
+    held = next(rule for rule in shipped_rules() if rule.get("record") == DESYNC_CANDIDATES)
     windows = set(re.findall(r'\{state="busy"\}\[(\w+)\]', held["expr"]))
     assert windows and {parse_duration(w) for w in windows} == {BUSY_HOLD_SECONDS}, windows
 
